@@ -1,0 +1,1 @@
+"""Hardware access: the only package that touches devices."""

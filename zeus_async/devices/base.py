@@ -1,0 +1,83 @@
+"""The one device Protocol every backend implements.
+
+A device is anything the runtime samples on its own cadence: one GPU (NVML backend, also used
+over the simulator), or one CPU package with its RAPL domains. ``read`` is a *blocking* call
+that touches hardware; the runtime decides on which thread it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Protocol, runtime_checkable
+
+from ..events import DeviceInfo, Event
+
+__all__ = ["GPU_FIELDS", "Device", "GpuControl"]
+
+#: Every GPU field a GPU device may read; names match :class:`~zeus_async.events.GpuSample`.
+GPU_FIELDS: tuple[str, ...] = (
+    "power_w",
+    "avg_power_w",
+    "energy_j",
+    "temperature_c",
+    "sm_clock_hz",
+    "utilization_frac",
+    "memory_used_bytes",
+    "power_limit_w",
+)
+
+
+@runtime_checkable
+class Device(Protocol):
+    """A sampled device.
+
+    Attributes:
+        key: Stable id within the process, ``"gpu:<index>"`` or ``"cpu:<package>"``.
+        fields: Names of the fields this device can read (a subset of its event's fields).
+    """
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def fields(self) -> tuple[str, ...]: ...
+
+    def describe(self) -> DeviceInfo:
+        """Static facts about the device (name, uuid, architecture, limits)."""
+        ...
+
+    def read(self, fields: Collection[str], host: str, t_ns: int) -> Sequence[Event]:
+        """Read ``fields`` now and return the resulting events stamped ``host``/``t_ns``.
+
+        Fields the device does not support come back as ``None``; a failure of the whole read
+        raises a :class:`~zeus_async.errors.DeviceError` subclass.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release backend resources. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class GpuControl(Protocol):
+    """Settings a GPU backend can change (used by the optimizers, restored on exit)."""
+
+    @property
+    def index(self) -> int: ...
+
+    def get_power_limit_w(self) -> float: ...
+
+    def power_limit_range_w(self) -> tuple[float, float]:
+        """``(min, max)`` power limit the device accepts."""
+        ...
+
+    def set_power_limit_w(self, watts: float) -> None:
+        """Raises ``NoPermissionError`` without privileges, ``ConfigError`` when out of range."""
+        ...
+
+    def supported_sm_clocks_hz(self) -> list[float]: ...
+
+    def lock_sm_clocks_hz(self, min_hz: float, max_hz: float) -> None: ...
+
+    def reset_sm_clocks(self) -> None: ...

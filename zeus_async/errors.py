@@ -1,0 +1,92 @@
+"""Typed exceptions for zeus_async.
+
+Every error the package raises on purpose derives from :class:`ZeusAsyncError`, so a caller
+can catch the package's errors without catching programming mistakes. Device errors map the
+NVML/RAPL failure modes that callers handle differently (retry, skip a field, give up on a
+device, ask for privileges).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CodecError",
+    "ConfigError",
+    "DeviceError",
+    "DeviceLostError",
+    "DeviceNotFoundError",
+    "DriverNotLoadedError",
+    "NoPermissionError",
+    "NotSupportedError",
+    "SchemaVersionError",
+    "TransientDeviceError",
+    "ZeusAsyncError",
+]
+
+
+class ZeusAsyncError(Exception):
+    """Base class of every error raised on purpose by zeus_async."""
+
+
+class ConfigError(ZeusAsyncError, ValueError):
+    """Invalid settings or arguments (bad period, unknown backend, bad endpoint, ...)."""
+
+
+class CodecError(ZeusAsyncError, ValueError):
+    """Bytes that do not decode into valid events or frames."""
+
+
+class SchemaVersionError(CodecError):
+    """A frame or file written with a schema version this build cannot read."""
+
+
+class DeviceError(ZeusAsyncError):
+    """A device (GPU, CPU package) failed an operation.
+
+    Attributes:
+        device: Key of the device, e.g. ``"gpu:0"`` or ``"cpu:1"``; empty when not known.
+        code: Backend error code (the NVML return code), or ``None``.
+    """
+
+    #: Short machine-readable kind, carried by fault events.
+    kind: str = "error"
+
+    def __init__(self, message: str, *, device: str = "", code: int | None = None) -> None:
+        super().__init__(message)
+        self.device = device
+        self.code = code
+
+
+class NotSupportedError(DeviceError):
+    """The device does not support this query or setting (e.g. no energy counter)."""
+
+    kind = "not_supported"
+
+
+class NoPermissionError(DeviceError):
+    """The process lacks the privilege for this operation (setting power limits or clocks)."""
+
+    kind = "no_permission"
+
+
+class DeviceLostError(DeviceError):
+    """The device fell off the bus or needs a reset; later calls will keep failing."""
+
+    kind = "gpu_lost"
+
+
+class DeviceNotFoundError(DeviceError):
+    """No device with this index/UUID, or no device of this kind on the host."""
+
+    kind = "not_found"
+
+
+class DriverNotLoadedError(DeviceError):
+    """The NVIDIA driver (or NVML library) is not present on this host."""
+
+    kind = "driver_not_loaded"
+
+
+class TransientDeviceError(DeviceError):
+    """An error worth retrying (timeout, busy driver, unknown error)."""
+
+    kind = "transient"

@@ -1,0 +1,323 @@
+"""Event schema: every record zeus_async produces, as msgspec structs.
+
+All events form one tagged union, :data:`Event`. On the wire and on disk an event is a msgpack
+array whose first element is the tag (``"gpu"``, ``"rapl"``, ...) followed by the fields in the
+order declared here (``array_like=True``): compact, fast, and language-neutral.
+
+Conventions:
+
+* SI units, with the unit in the field name: ``power_w``, ``energy_j``, ``t_ns``,
+  ``sm_clock_hz``, ``memory_used_bytes``, ``temperature_c``; fractions end in ``_frac`` (0..1).
+* Every event carries ``host`` (host id) and ``t_ns`` (wall-clock ns, ``time.time_ns()``).
+* A field a device could not read is ``None``; it is never faked as 0.
+
+Schema evolution (:data:`SCHEMA_VERSION`): new fields are only *appended* to a struct and always
+have a default, so older frames still decode; new event kinds get new tags. Removing or
+reordering fields requires a new schema version.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final, Literal, Union
+
+import msgspec
+
+from .errors import CodecError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "ClockChange",
+    "DeviceFault",
+    "DeviceInfo",
+    "Event",
+    "EventDecoder",
+    "EventEncoder",
+    "GpuSample",
+    "Heartbeat",
+    "Measurement",
+    "PowerLimitChange",
+    "ProcessSample",
+    "RaplSample",
+    "StreamInfo",
+    "WindowClose",
+    "WindowOpen",
+    "event_topic",
+]
+
+#: Version of this schema; carried in every frame header and recording header.
+SCHEMA_VERSION: Final = 1
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+Frac = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+
+# Shared struct options: positional encoding, no GC tracking (events hold no cycles).
+_OPTS: dict[str, Any] = {"array_like": True, "gc": False, "omit_defaults": False}
+
+
+class GpuSample(msgspec.Struct, tag="gpu", **_OPTS):
+    """One reading of one GPU. Fields not sampled in this tick (or unsupported) are ``None``.
+
+    Attributes:
+        host: Host id.
+        t_ns: Wall-clock time of the reading (ns since epoch).
+        gpu: GPU index as seen by this process (after ``CUDA_VISIBLE_DEVICES``).
+        power_w: Instantaneous power (NVML ``POWER_INSTANT`` field).
+        avg_power_w: Power averaged by the driver (NVML ``POWER_AVERAGE``, ~1 s on H100).
+        energy_j: Energy counter (J since driver load); ``None`` before Volta.
+        temperature_c: GPU core temperature.
+        sm_clock_hz: Current SM clock.
+        utilization_frac: GPU utilization (fraction of time a kernel ran).
+        memory_used_bytes: Device memory in use.
+        power_limit_w: Power limit in force.
+    """
+
+    host: str
+    t_ns: int
+    gpu: int
+    power_w: float | None = None
+    avg_power_w: float | None = None
+    energy_j: float | None = None
+    temperature_c: float | None = None
+    sm_clock_hz: float | None = None
+    utilization_frac: float | None = None
+    memory_used_bytes: int | None = None
+    power_limit_w: float | None = None
+
+
+RaplDomain = Literal["package", "core", "uncore", "dram", "psys"]
+
+
+class RaplSample(msgspec.Struct, tag="rapl", **_OPTS):
+    """One reading of a RAPL energy counter (CPU package or one of its sub-domains).
+
+    Attributes:
+        package: CPU package (socket) index.
+        domain: ``package``, ``core``, ``uncore``, ``dram`` or ``psys``.
+        energy_j: Unwrapped cumulative energy since the sampler started.
+        power_w: Mean power since the previous sample of this domain (``None`` on the first).
+    """
+
+    host: str
+    t_ns: int
+    package: int
+    domain: RaplDomain
+    energy_j: float
+    power_w: float | None = None
+
+
+class ProcessSample(msgspec.Struct, tag="proc", **_OPTS):
+    """Resource use of one process (host side and, when known, on one GPU)."""
+
+    host: str
+    t_ns: int
+    pid: int
+    cpu_frac: float | None = None
+    memory_rss_bytes: int | None = None
+    memory_pss_bytes: int | None = None
+    memory_uss_bytes: int | None = None
+    gpu: int | None = None
+    gpu_sm_frac: float | None = None
+    gpu_memory_bytes: int | None = None
+    attributed_power_w: float | None = None
+
+
+class WindowOpen(msgspec.Struct, tag="win_open", **_OPTS):
+    """A measurement window began."""
+
+    host: str
+    t_ns: int
+    name: str
+    window_id: int
+
+
+class WindowClose(msgspec.Struct, tag="win_close", **_OPTS):
+    """A measurement window ended (``cancelled`` when it was discarded)."""
+
+    host: str
+    t_ns: int
+    name: str
+    window_id: int
+    cancelled: bool = False
+
+
+#: How an energy figure was obtained.
+EnergyMethod = Literal["counter", "counter+interpolated", "integrated", "unavailable"]
+
+
+class Measurement(msgspec.Struct, tag="measurement", **_OPTS):
+    """Time and energy of one finished window.
+
+    ``gpu_energy_j`` maps GPU index to joules; ``cpu_energy_j`` / ``dram_energy_j`` map CPU
+    package index to joules, or are ``None`` when RAPL is unavailable. ``methods`` maps a device
+    key (``"gpu:0"``, ``"cpu:0"``) to the :data:`EnergyMethod` used for it, and ``lost`` lists
+    the devices that failed during the window.
+    """
+
+    host: str
+    t_ns: int
+    name: str
+    window_id: int
+    start_ns: int
+    end_ns: int
+    time_s: float
+    gpu_energy_j: dict[int, float]
+    cpu_energy_j: dict[int, float] | None = None
+    dram_energy_j: dict[int, float] | None = None
+    methods: dict[str, str] = msgspec.field(default_factory=dict)
+    lost: list[str] = msgspec.field(default_factory=list)
+
+
+class PowerLimitChange(msgspec.Struct, tag="power_limit", **_OPTS):
+    """A GPU power limit was set (``previous_w`` is what was in force before)."""
+
+    host: str
+    t_ns: int
+    gpu: int
+    power_limit_w: float
+    previous_w: float | None = None
+    source: str = ""
+
+
+class ClockChange(msgspec.Struct, tag="clock", **_OPTS):
+    """GPU SM clocks were locked to ``[min_hz, max_hz]``, or reset when both are ``None``."""
+
+    host: str
+    t_ns: int
+    gpu: int
+    min_hz: float | None = None
+    max_hz: float | None = None
+    source: str = ""
+
+
+class DeviceFault(msgspec.Struct, tag="fault", **_OPTS):
+    """A device operation failed.
+
+    Attributes:
+        device: Device key (``"gpu:0"``, ``"cpu:0"``).
+        kind: Error kind (``not_supported``, ``no_permission``, ``gpu_lost``, ``transient``, ...).
+        message: Human-readable text.
+        retry_in_s: When the sampler will try again (``None`` if it gave up).
+    """
+
+    host: str
+    t_ns: int
+    device: str
+    kind: str
+    message: str
+    retry_in_s: float | None = None
+
+
+class DeviceInfo(msgspec.Struct, array_like=True, gc=False):
+    """Static description of one device, as published in :class:`StreamInfo`.
+
+    Power figures are in W, clocks in Hz; ``arch`` is the NVML architecture name
+    (``"hopper"``, ``"pascal"``, ...) or ``"cpu"``.
+    """
+
+    key: str
+    name: str
+    uuid: str = ""
+    arch: str = ""
+    has_energy_counter: bool = False
+    power_limit_min_w: float | None = None
+    power_limit_max_w: float | None = None
+    power_limit_default_w: float | None = None
+    supported_sm_clocks_hz: list[float] = msgspec.field(default_factory=list)
+
+
+class StreamInfo(msgspec.Struct, tag="stream", **_OPTS):
+    """Describes a stream: who publishes it and which devices it covers. Sent on start."""
+
+    host: str
+    t_ns: int
+    stream_id: str
+    schema_version: int = SCHEMA_VERSION
+    pid: int = 0
+    argv: list[str] = msgspec.field(default_factory=list)
+    devices: list[DeviceInfo] = msgspec.field(default_factory=list)
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", **_OPTS):
+    """Periodic liveness record of a stream, with counters a subscriber can cross-check."""
+
+    host: str
+    t_ns: int
+    stream_id: str
+    events_published: NonNegInt = 0
+    frames_published: NonNegInt = 0
+
+
+Event = Union[
+    GpuSample,
+    RaplSample,
+    ProcessSample,
+    WindowOpen,
+    WindowClose,
+    Measurement,
+    PowerLimitChange,
+    ClockChange,
+    DeviceFault,
+    StreamInfo,
+    Heartbeat,
+]
+"""The tagged union of every event kind."""
+
+EVENT_TYPES: Final[tuple[type[Any], ...]] = Event.__args__  # type: ignore[attr-defined]
+
+
+def event_topic(event: Event) -> str:
+    """The bus topic of an event: ``gpu/<host>/<index>``, ``cpu/<host>/<pkg>``, ``window/<name>``...
+
+    Topics are prefix-filterable: subscribing to ``gpu/`` receives every GPU sample of every
+    host; ``gpu/node1/`` the GPUs of one host.
+    """
+    if isinstance(event, GpuSample):
+        return f"gpu/{event.host}/{event.gpu}"
+    if isinstance(event, RaplSample):
+        return f"cpu/{event.host}/{event.package}"
+    if isinstance(event, (WindowOpen, WindowClose, Measurement)):
+        return f"window/{event.host}/{event.name}"
+    if isinstance(event, ProcessSample):
+        return f"proc/{event.host}/{event.pid}"
+    if isinstance(event, (PowerLimitChange, ClockChange)):
+        return f"control/{event.host}/{event.gpu}"
+    if isinstance(event, DeviceFault):
+        return f"fault/{event.host}/{event.device}"
+    return f"stream/{event.host}"
+
+
+class EventEncoder:
+    """Encodes batches of events to msgpack, reusing one buffer."""
+
+    __slots__ = ("_buf", "_enc")
+
+    def __init__(self) -> None:
+        self._enc = msgspec.msgpack.Encoder()
+        self._buf = bytearray(4096)
+
+    def encode(self, events: list[Event] | Event) -> bytes:
+        """Encode one event or a list of events (a batch) to bytes."""
+        self._enc.encode_into(events, self._buf)
+        return bytes(self._buf)
+
+
+class EventDecoder:
+    """Decodes msgpack into events; any malformed input raises :class:`CodecError`."""
+
+    __slots__ = ("_batch", "_one")
+
+    def __init__(self) -> None:
+        self._batch = msgspec.msgpack.Decoder(list[Event])
+        self._one = msgspec.msgpack.Decoder(Event)
+
+    def decode_batch(self, data: bytes | bytearray | memoryview) -> list[Event]:
+        try:
+            return self._batch.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise CodecError(f"invalid event batch: {exc}") from None
+
+    def decode(self, data: bytes | bytearray | memoryview) -> Event:
+        try:
+            return self._one.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise CodecError(f"invalid event: {exc}") from None
