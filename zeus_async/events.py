@@ -18,7 +18,7 @@ reordering fields requires a new schema version.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Final, Literal, Union
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
@@ -41,6 +41,8 @@ __all__ = [
     "StreamInfo",
     "WindowClose",
     "WindowOpen",
+    "event_kind",
+    "event_to_dict",
     "event_topic",
 ]
 
@@ -247,19 +249,19 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", **_OPTS):
     frames_published: NonNegInt = 0
 
 
-Event = Union[
-    GpuSample,
-    RaplSample,
-    ProcessSample,
-    WindowOpen,
-    WindowClose,
-    Measurement,
-    PowerLimitChange,
-    ClockChange,
-    DeviceFault,
-    StreamInfo,
-    Heartbeat,
-]
+Event = (
+    GpuSample
+    | RaplSample
+    | ProcessSample
+    | WindowOpen
+    | WindowClose
+    | Measurement
+    | PowerLimitChange
+    | ClockChange
+    | DeviceFault
+    | StreamInfo
+    | Heartbeat
+)
 """The tagged union of every event kind."""
 
 EVENT_TYPES: Final[tuple[type[Any], ...]] = Event.__args__  # type: ignore[attr-defined]
@@ -321,3 +323,29 @@ class EventDecoder:
             return self._one.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise CodecError(f"invalid event: {exc}") from None
+
+
+def _to_builtin(value: Any) -> Any:
+    if isinstance(value, msgspec.Struct):
+        return {f: _to_builtin(getattr(value, f)) for f in value.__struct_fields__}
+    if isinstance(value, list):
+        return [_to_builtin(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_builtin(v) for k, v in value.items()}
+    return value
+
+
+def event_kind(event: Event) -> str:
+    """The tag of an event (``"gpu"``, ``"rapl"``, ``"measurement"``, ...)."""
+    return str(type(event).__struct_config__.tag)
+
+
+def event_to_dict(event: Event) -> dict[str, Any]:
+    """A JSON-friendly dict of an event: ``{"kind": tag, field: value, ...}``.
+
+    Events are array-like on the wire; this form names every field (used by
+    ``zeus-async subscribe --json`` and the exporters).
+    """
+    out: dict[str, Any] = {"kind": event_kind(event)}
+    out.update(_to_builtin(event))
+    return out

@@ -1,0 +1,317 @@
+"""Command-line interface: ``zeus-async <command>`` (also ``python -m zeus_async``).
+
+Commands:
+    monitor    sample GPUs (and RAPL) and show a live per-device table; totals at the end
+    subscribe  print events from a publisher (``--json`` for one JSON object per line)
+    proxy      forward the streams of many publishers to one endpoint (XSUB/XPUB)
+
+Errors in arguments or endpoints print one line to stderr and exit non-zero; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import anyio
+import msgspec
+
+from .aggregate import LiveTotals
+from .errors import ZeusAsyncError
+from .events import Event, event_to_dict
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+
+
+class CliError(Exception):
+    """An error to report as one line on stderr."""
+
+
+# -- argument helpers ---------------------------------------------------------------------------
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip() != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 0,1 — got {text!r}"
+        ) from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"indices must be >= 0, got {text!r}")
+    return values
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _sim_config(text: str | None) -> Any:
+    if text is None:
+        return None
+    from .devices.sim import SimConfig
+
+    raw = Path(text).read_bytes() if not text.lstrip().startswith("{") else text.encode()
+    try:
+        return msgspec.json.decode(raw, type=SimConfig)
+    except msgspec.DecodeError as exc:
+        raise CliError(f"invalid --sim-config: {exc}") from None
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zeus-async",
+        description="Measure and optimize the energy of GPU work.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    mon = sub.add_parser("monitor", help="live per-GPU power/energy table")
+    mon.add_argument("--backend", choices=("auto", "nvml", "sim"), default="auto")
+    mon.add_argument("--gpus", type=_int_list, default=None, help="GPU indices, e.g. 0,1")
+    mon.add_argument("--cpus", choices=("auto", "none"), default="auto", help="RAPL packages")
+    mon.add_argument("--period", type=_positive_float, default=0.01, help="sampling period (s)")
+    mon.add_argument("--publish", metavar="ENDPOINT", help="also publish on a ZeroMQ endpoint")
+    mon.add_argument("--duration", type=_positive_float, default=None, help="stop after S s")
+    mon.add_argument("--refresh", type=_positive_float, default=0.5, help="table refresh (s)")
+    mon.add_argument("--sim-config", default=None, help="simulator config: JSON text or file")
+
+    sbs = sub.add_parser("subscribe", help="print events from a publisher")
+    sbs.add_argument("endpoints", nargs="+", metavar="ENDPOINT")
+    sbs.add_argument("--topic", action="append", default=None, help="topic prefix (repeatable)")
+    sbs.add_argument("--json", action="store_true", help="one JSON object per line")
+    sbs.add_argument("--count", type=int, default=None, help="stop after N events")
+    sbs.add_argument("--duration", type=_positive_float, default=None, help="stop after S s")
+    sbs.add_argument(
+        "--wait", type=_positive_float, default=10.0, help="give up if no publisher answers (s)"
+    )
+
+    prx = sub.add_parser("proxy", help="aggregate many publishers onto one endpoint")
+    prx.add_argument("--in", dest="inputs", nargs="+", required=True, metavar="ENDPOINT")
+    prx.add_argument("--out", dest="output", required=True, metavar="ENDPOINT")
+    prx.add_argument("--duration", type=_positive_float, default=None, help="stop after S s")
+    return parser
+
+
+# -- monitor ------------------------------------------------------------------------------------
+
+
+def _fmt(value: float | int | None, scale: float = 1.0, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    return f"{value / scale:.{digits}f}"
+
+
+def render_table(totals: LiveTotals) -> list[str]:
+    """Lines of the live table (one row per GPU, then one per RAPL domain)."""
+    header = (
+        f"{'device':<16}{'power W':>9}{'avg W':>9}{'energy J':>12}{'temp C':>8}"
+        f"{'SM MHz':>8}{'util %':>8}{'mem GiB':>9}{'limit W':>9}  method"
+    )
+    lines = [header, "-" * len(header)]
+    for key in sorted(totals.devices, key=_device_sort_key):
+        t = totals.devices[key]
+        last = t.last
+        status = (t.fault and f"FAULT:{t.fault}") or t.method
+        util = last.get("utilization_frac")
+        lines.append(
+            f"{key:<16}{_fmt(last.get('power_w')):>9}{_fmt(last.get('avg_power_w')):>9}"
+            f"{_fmt(t.energy_j, digits=2):>12}{_fmt(last.get('temperature_c'), digits=0):>8}"
+            f"{_fmt(last.get('sm_clock_hz'), 1e6, 0):>8}"
+            f"{_fmt(None if util is None else float(util) * 100, digits=0):>8}"
+            f"{_fmt(last.get('memory_used_bytes'), 2**30, 1):>9}"
+            f"{_fmt(last.get('power_limit_w'), digits=0):>9}  {status}"
+        )
+    return lines
+
+
+def _device_sort_key(key: str) -> tuple[int, int, str]:
+    kind, _, rest = key.partition(":")
+    num, _, dom = rest.partition("/")
+    return (0 if kind == "gpu" else 1, int(num) if num.isdigit() else 0, dom)
+
+
+def render_totals(totals: LiveTotals) -> list[str]:
+    """Lines of the closing summary: energy, duration and mean power per device."""
+    lines = [f"{'device':<16}{'energy J':>12}{'time s':>9}{'mean W':>9}  method"]
+    total_gpu = 0.0
+    for key in sorted(totals.devices, key=_device_sort_key):
+        t = totals.devices[key]
+        energy = t.energy_j
+        mean = energy / t.duration_s if energy is not None and t.duration_s > 0 else None
+        if energy is not None and key.startswith("gpu:"):
+            total_gpu += energy
+        lines.append(
+            f"{key:<16}{_fmt(energy, digits=2):>12}{t.duration_s:>9.2f}{_fmt(mean):>9}  {t.method}"
+        )
+    lines.append(f"{'all GPUs':<16}{total_gpu:>12.2f}")
+    return lines
+
+
+async def _stop_on_signals(scope: anyio.CancelScope) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return
+
+
+async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
+    from .runtime import Runtime
+
+    totals = LiveTotals()
+    runtime = Runtime(
+        backend=args.backend,
+        gpus=args.gpus,
+        cpus="auto" if args.cpus == "auto" else None,
+        period_s=args.period,
+        publish=args.publish,
+        sim_config=_sim_config(args.sim_config),
+    )
+    tty = out.isatty()
+    async with runtime as rt:
+        stream = rt.subscribe()
+        where = f", publishing on {rt.publisher.endpoint}" if rt.publisher is not None else ""
+        out.write(
+            f"zeus-async monitor: backend {rt.backend}, {len(rt.devices)} device(s), "
+            f"period {args.period * 1e3:g} ms{where}. Ctrl-C to stop.\n"
+        )
+        out.flush()
+        drawn = 0
+        with anyio.CancelScope() as scope:
+            if args.duration is not None:
+                scope.deadline = anyio.current_time() + args.duration
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_stop_on_signals, scope)
+
+                async def consume() -> None:
+                    async for event in stream:
+                        totals.add(event)
+
+                tg.start_soon(consume)
+                while True:
+                    await anyio.sleep(args.refresh)
+                    lines = render_table(totals)
+                    if tty and drawn:
+                        out.write(f"\x1b[{drawn}F\x1b[J")
+                    out.write("\n".join(lines) + "\n")
+                    if not tty:
+                        out.write("\n")
+                    out.flush()
+                    drawn = len(lines)
+    out.write("\nTotals\n" + "\n".join(render_totals(totals)) + "\n")
+    out.flush()
+    return EXIT_OK
+
+
+# -- subscribe ----------------------------------------------------------------------------------
+
+
+def format_event(event: Event) -> str:
+    """A compact human line for one event: ``kind host key=value ...``."""
+    data = event_to_dict(event)
+    kind = data.pop("kind")
+    host = data.pop("host", "")
+    data.pop("t_ns", None)
+    parts = [f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in data.items()]
+    return f"{kind:<12}{host} " + " ".join(p for p in parts if not p.endswith("=None"))
+
+
+async def _subscribe(args: argparse.Namespace, out: TextIO) -> int:
+    from .bus import Subscriber
+
+    topics = args.topic or [""]
+    count = 0
+    async with Subscriber(args.endpoints, topics=topics) as sub:
+        try:
+            await sub.wait_ready(streams=1, timeout=args.wait)
+        except TimeoutError:
+            raise CliError(
+                f"no publisher answered at {', '.join(args.endpoints)} within {args.wait:g} s"
+            ) from None
+        with anyio.CancelScope() as scope:
+            if args.duration is not None:
+                scope.deadline = anyio.current_time() + args.duration
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_stop_on_signals, scope)
+                async for event in sub:
+                    if args.json:
+                        out.write(json.dumps(event_to_dict(event)) + "\n")
+                    else:
+                        out.write(format_event(event) + "\n")
+                    out.flush()
+                    count += 1
+                    if args.count is not None and count >= args.count:
+                        scope.cancel()
+                        break
+                tg.cancel_scope.cancel()
+        stats = sub.stats
+    logger.info("received %d event(s); %d frame(s) lost", count, stats.frames_lost)
+    if stats.frames_lost:
+        sys.stderr.write(f"zeus-async: {stats.frames_lost} frame(s) lost (sequence gaps)\n")
+    return EXIT_OK
+
+
+# -- proxy --------------------------------------------------------------------------------------
+
+
+async def _proxy(args: argparse.Namespace, out: TextIO) -> int:
+    from .bus import run_proxy
+
+    with anyio.CancelScope() as scope:
+        if args.duration is not None:
+            scope.deadline = anyio.current_time() + args.duration
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_stop_on_signals, scope)
+            await tg.start(run_proxy, args.inputs, args.output)
+            out.write(f"zeus-async proxy: {' '.join(args.inputs)} -> {args.output}\n")
+            out.flush()
+    return EXIT_OK
+
+
+# -- entry point --------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    """Run the CLI; returns the process exit status."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    stream = out or sys.stdout
+    level = logging.WARNING - 10 * args.verbose
+    logging.basicConfig(
+        level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s"
+    )
+    commands = {"monitor": _monitor, "subscribe": _subscribe, "proxy": _proxy}
+    if args.command is None:
+        parser.print_help(stream)
+        return EXIT_USAGE
+    try:
+        return anyio.run(commands[args.command], args, stream, backend="asyncio")
+    except (CliError, ZeusAsyncError, OSError) as exc:
+        sys.stderr.write(f"zeus-async {args.command}: {exc}\n")
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # zmq errors and the like: one line, no traceback
+        if os.environ.get("ZEUS_ASYNC_DEBUG"):
+            raise
+        name = type(exc).__name__
+        sys.stderr.write(f"zeus-async {args.command}: {name}: {exc}\n")
+        return EXIT_ERROR
+
+
+__all__ = ["format_event", "main", "render_table", "render_totals"]

@@ -1,0 +1,291 @@
+"""The runtime: one sampler task per device, a hub, optional ZeroMQ publisher and consumers.
+
+Lifecycle (structured concurrency, anyio)::
+
+    async with Runtime(backend="sim", publish="tcp://127.0.0.1:5555") as rt:
+        events = rt.subscribe()          # lossless in-process consumer
+        ...
+
+On entry the publisher binds first (so nothing sampled is published before the socket exists),
+then a :class:`~zeus_async.events.StreamInfo` describing every device is published, then every
+sampler starts and reports readiness. On exit the order is reversed: samplers stop, consumer
+streams are closed and drained (bounded by ``shutdown_timeout_s``), the publisher flushes, and
+devices are closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AsyncExitStack
+from types import TracebackType
+from typing import Any
+
+import anyio
+from anyio.abc import ObjectReceiveStream, TaskGroup, TaskStatus
+
+from ..clock import Clock, RealClock
+from ..devices import OpenedDevices, open_devices
+from ..devices.base import Device
+from ..errors import ConfigError
+from ..events import Event, StreamInfo
+from .hub import Hub
+from .sampler import Sampler
+
+__all__ = ["DEFAULT_GPU_FIELDS", "Runtime"]
+
+logger = logging.getLogger(__name__)
+
+#: Default GPU fields and their periods (``None`` = the base period). Power and energy follow
+#: the base period (they feed window energy); slow-moving fields are read less often.
+DEFAULT_GPU_FIELDS: Mapping[str, float | None] = {
+    "power_w": None,
+    "energy_j": None,
+    "avg_power_w": 0.1,
+    "sm_clock_hz": 0.1,
+    "utilization_frac": 0.1,
+    "temperature_c": 0.5,
+    "memory_used_bytes": 0.5,
+    "power_limit_w": 1.0,
+}
+
+Consumer = Callable[[ObjectReceiveStream[Event]], Awaitable[None]]
+
+
+class Runtime:
+    """Samples devices and fans their events out.
+
+    Args:
+        devices: Devices to sample; when ``None`` they are opened with ``backend``/``gpus``/
+            ``cpus`` (see :func:`~zeus_async.devices.open_devices`) and closed on exit.
+        backend: ``auto``, ``nvml`` or ``sim``.
+        gpus: Logical GPU indices, ``None`` for all.
+        cpus: RAPL packages: ``"auto"`` (if readable), indices, or ``None``.
+        period_s: Base sampling period (default 10 ms).
+        fields: GPU field name to its period in seconds (``None`` = base period); default
+            :data:`DEFAULT_GPU_FIELDS`. Fields a device lacks are skipped.
+        clock: Injected clock (tests use :class:`~zeus_async.clock.FakeClock`).
+        host: Host id stamped on events (default: the host name).
+        publish: A ZeroMQ endpoint to publish on (``tcp://127.0.0.1:5555``, ``ipc://...``) or a
+            ready-made :class:`~zeus_async.bus.Publisher`. Publishing requires the asyncio
+            backend.
+        sim_config: Simulator settings for the ``sim`` backend.
+        shutdown_timeout_s: Bound on the orderly shutdown (draining consumers, flushing).
+        consumers: Coroutine functions started (see :meth:`start_consumer`) before the first
+            event is published, so they see the whole stream.
+        rapl_root: powercap sysfs root.
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[Device] | None = None,
+        *,
+        backend: str = "auto",
+        gpus: Sequence[int] | None = None,
+        cpus: Sequence[int] | str | None = "auto",
+        period_s: float = 0.01,
+        fields: Mapping[str, float | None] | None = None,
+        clock: Clock | None = None,
+        host: str | None = None,
+        publish: str | Any | None = None,
+        sim_config: object | None = None,
+        shutdown_timeout_s: float = 2.0,
+        rapl_root: str = "/sys/class/powercap",
+        consumers: Sequence[Consumer] = (),
+    ) -> None:
+        if not period_s > 0:
+            raise ConfigError(f"period_s must be positive, got {period_s!r}")
+        if cpus is not None and isinstance(cpus, str) and cpus != "auto":
+            raise ConfigError(
+                f"cpus must be 'auto', a list of package indices or None, not {cpus!r}"
+            )
+        self._given_devices = list(devices) if devices is not None else None
+        self._backend = backend
+        self._gpus = gpus
+        self._cpus = cpus
+        self.period_s = period_s
+        self._fields = dict(fields if fields is not None else DEFAULT_GPU_FIELDS)
+        self.clock: Clock = clock or RealClock()
+        self.host = host or socket.gethostname()
+        self._publish_arg = publish
+        self._sim_config = sim_config
+        self._shutdown_timeout_s = shutdown_timeout_s
+        self._rapl_root = rapl_root
+        self.stream_id = uuid.uuid4().hex
+        self.hub = Hub()
+        self.devices: list[Device] = []
+        self.backend: str = backend
+        self.samplers: list[Sampler] = []
+        self.publisher: Any | None = None
+        self._stack: AsyncExitStack | None = None
+        self._tg: TaskGroup | None = None
+        self._sampler_scope = anyio.CancelScope()
+        self._samplers_done = anyio.Event()
+        self._consumer_scope = anyio.CancelScope()
+        self._consumers_running = 0
+        self._consumers_done = anyio.Event()
+        self._owns_devices = devices is None
+        self._initial_consumers = list(consumers)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Runtime:
+        stack = AsyncExitStack()
+        await stack.__aenter__()
+        try:
+            self._open_devices()
+            stack.callback(self._close_devices)
+            self._tg = await stack.enter_async_context(anyio.create_task_group())
+            self._stack = stack
+            for consumer in self._initial_consumers:
+                self.start_consumer(consumer)
+            if self._publish_arg is not None:
+                await self._start_publisher(self._tg)
+            await self.hub.publish(self.stream_info())
+            await self._tg.start(self._run_samplers)
+        except BaseException:
+            self._sampler_scope.cancel()
+            await stack.__aexit__(*sys.exc_info())
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        assert self._stack is not None and self._tg is not None
+        with anyio.CancelScope(shield=True):
+            self._sampler_scope.cancel()
+            await self._samplers_done.wait()
+            self.hub.close()
+            if self._consumers_running:
+                with anyio.move_on_after(self._shutdown_timeout_s):
+                    await self._consumers_done.wait()
+                if self._consumers_running:
+                    logger.warning(
+                        "%d consumer(s) did not drain within %.1f s; cancelling them",
+                        self._consumers_running,
+                        self._shutdown_timeout_s,
+                    )
+            self._consumer_scope.cancel()
+            self._tg.cancel_scope.cancel()
+        return await self._stack.__aexit__(exc_type, exc, tb)
+
+    def _open_devices(self) -> None:
+        if self._given_devices is not None:
+            self.devices = self._given_devices
+            return
+        opened: OpenedDevices = open_devices(
+            self._backend,
+            self._gpus,
+            self._cpus,  # type: ignore[arg-type]
+            clock=self.clock,
+            sim_config=self._sim_config,
+            rapl_root=self._rapl_root,
+        )
+        self.backend = opened.backend
+        self.devices = opened.all
+        if not self.devices:
+            logger.warning("no device to sample (no GPU and no readable RAPL package)")
+
+    def _close_devices(self) -> None:
+        if not self._owns_devices:
+            return
+        for device in self.devices:
+            try:
+                device.close()
+            except Exception:
+                logger.exception("closing %s failed", device.key)
+
+    async def _start_publisher(self, tg: TaskGroup) -> None:
+        from ..bus import Publisher
+
+        if isinstance(self._publish_arg, str):
+            self.publisher = Publisher(
+                self._publish_arg,
+                host=self.host,
+                stream_id=self.stream_id,
+                stream_info=self.stream_info(),
+            )
+        else:
+            self.publisher = self._publish_arg
+        await tg.start(self.publisher.run)
+        self.hub.add_sink(self.publisher.publish)
+
+    def stream_info(self) -> StreamInfo:
+        """The :class:`StreamInfo` event describing this runtime and its devices."""
+        return StreamInfo(
+            host=self.host,
+            t_ns=self.clock.wall_ns(),
+            stream_id=self.stream_id,
+            pid=os.getpid(),
+            argv=list(sys.argv),
+            devices=[d.describe() for d in self.devices],
+        )
+
+    async def _run_samplers(
+        self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        try:
+            with self._sampler_scope:
+                async with anyio.create_task_group() as tg:
+                    for device in self.devices:
+                        sampler = Sampler(
+                            device,
+                            self.hub.publish,
+                            self.clock,
+                            host=self.host,
+                            period_s=self.period_s,
+                            fields=self._fields_for(device),
+                        )
+                        self.samplers.append(sampler)
+                        await tg.start(sampler.run)
+                    task_status.started()
+        finally:
+            self._samplers_done.set()
+
+    def _fields_for(self, device: Device) -> Mapping[str, float | None]:
+        if device.key.startswith("gpu:"):
+            return self._fields
+        return dict.fromkeys(device.fields)
+
+    # -- consumers ---------------------------------------------------------------------------
+
+    def subscribe(self, max_buffer: int = 4096) -> ObjectReceiveStream[Event]:
+        """A lossless stream of every event published from now on (ends at shutdown)."""
+        return self.hub.subscribe(max_buffer)
+
+    async def publish(self, event: Event) -> None:
+        """Inject an event (window edges, optimizer decisions, replayed events)."""
+        await self.hub.publish(event)
+
+    def start_consumer(self, consumer: Consumer, *, max_buffer: int = 4096) -> None:
+        """Run ``consumer(stream)`` as a task of the runtime.
+
+        At shutdown the stream ends after the last event and the runtime waits (up to
+        ``shutdown_timeout_s``) for the consumer to return, so nothing buffered is lost.
+        """
+        if self._tg is None:
+            raise RuntimeError("start_consumer() needs an entered runtime")
+        stream = self.hub.subscribe(max_buffer)
+        if self._consumers_done.is_set():
+            self._consumers_done = anyio.Event()
+        self._consumers_running += 1
+
+        async def run() -> None:
+            try:
+                with self._consumer_scope:
+                    async with stream:
+                        await consumer(stream)
+            finally:
+                self._consumers_running -= 1
+                if self._consumers_running == 0:
+                    self._consumers_done.set()
+
+        self._tg.start_soon(run)

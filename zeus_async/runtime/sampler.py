@@ -1,0 +1,212 @@
+"""One sampler task per device, on a drift-free deadline schedule.
+
+Deadlines lie on a fixed grid (``start + k * period``) of the injected clock, so the cadence
+does not drift with the time each read takes. A tick that is already past when the previous
+read returns is skipped and counted (``missed_ticks``), never run late in a burst.
+
+Each field has its own period, a whole multiple of the base period (e.g. power every 10 ms,
+temperature every 500 ms); a tick reads only the fields due on it.
+
+Reads run inline on the event loop thread: a device read costs microseconds (one NVML call per
+GPU per tick for power), far less than handing it to a worker thread. A device whose read ever
+takes longer than ``offload_after_s`` is moved to a worker thread for good, so a slow or hung
+driver call cannot stall the other samplers or window edges.
+
+A :class:`~zeus_async.errors.DeviceError` becomes a :class:`~zeus_async.events.DeviceFault`
+event; the device then backs off (exponentially, capped) and retries while the others keep
+sampling.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+import anyio
+from anyio.abc import TaskStatus
+
+from ..clock import Clock
+from ..devices.base import Device
+from ..errors import ConfigError, DeviceError, NotSupportedError
+from ..events import DeviceFault, Event
+
+__all__ = ["Sampler", "SamplerStats", "field_ratios"]
+
+logger = logging.getLogger(__name__)
+
+Publish = Callable[[Event], Awaitable[None]]
+
+
+class SamplerStats:
+    """Counters of one sampler."""
+
+    __slots__ = ("errors", "missed_ticks", "offloaded", "reads")
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.missed_ticks = 0
+        self.errors = 0
+        self.offloaded = False
+
+
+def field_ratios(
+    period_s: float, fields: Mapping[str, float | None], available: Sequence[str]
+) -> dict[str, int]:
+    """Map each sampled field to its period as a multiple of the base period.
+
+    Args:
+        period_s: Base period in seconds.
+        fields: Field name to its own period in seconds (``None``: the base period).
+        available: Fields the device can read; requested fields it lacks are left out.
+
+    Raises:
+        ConfigError: A period that is not positive, or shorter than the base period.
+    """
+    if not period_s > 0 or not math.isfinite(period_s):
+        raise ConfigError(f"sampling period must be a positive number of seconds, got {period_s!r}")
+    ratios: dict[str, int] = {}
+    for name, field_period in fields.items():
+        if name not in available:
+            continue
+        if field_period is None:
+            ratios[name] = 1
+            continue
+        if not field_period > 0 or not math.isfinite(field_period):
+            raise ConfigError(f"period of field {name!r} must be positive, got {field_period!r}")
+        if field_period < period_s * (1 - 1e-9):
+            raise ConfigError(
+                f"period of field {name!r} ({field_period} s) is shorter than the base "
+                f"period ({period_s} s)"
+            )
+        ratios[name] = max(1, round(field_period / period_s))
+    return ratios
+
+
+class Sampler:
+    """Samples one device on a deadline schedule and publishes what it reads.
+
+    Args:
+        device: The device to read.
+        publish: Coroutine function delivering one event (the hub's ``publish``).
+        clock: Time source and sleeper.
+        host: Host id stamped on events.
+        period_s: Base period.
+        fields: Field name to period (``None`` = base period); fields the device lacks are
+            ignored.
+        offload_after_s: A read slower than this moves the device to a worker thread.
+        backoff_s: ``(first, max)`` delay before retrying a failed device.
+    """
+
+    def __init__(
+        self,
+        device: Device,
+        publish: Publish,
+        clock: Clock,
+        *,
+        host: str,
+        period_s: float,
+        fields: Mapping[str, float | None],
+        offload_after_s: float = 0.005,
+        backoff_s: tuple[float, float] = (0.1, 5.0),
+    ) -> None:
+        self.device = device
+        self._publish = publish
+        self._clock = clock
+        self._host = host
+        self._period_ns = round(period_s * 1e9)
+        ratios = field_ratios(period_s, fields, device.fields)
+        if not ratios:
+            raise ConfigError(
+                f"{device.key}: none of the requested fields {sorted(fields)} is readable "
+                f"(it has {list(device.fields)})"
+            )
+        self._ratios = ratios
+        self._cycle = math.lcm(*ratios.values())
+        self._due_cache: dict[int, tuple[str, ...]] = {}
+        self._offload_after_ns = round(offload_after_s * 1e9)
+        self._backoff = backoff_s
+        self.stats = SamplerStats()
+
+    def _due(self, tick: int) -> tuple[str, ...]:
+        phase = tick % self._cycle
+        due = self._due_cache.get(phase)
+        if due is None:
+            due = tuple(f for f, r in self._ratios.items() if phase % r == 0)
+            self._due_cache[phase] = due
+        return due
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Sample until cancelled. Signals readiness after the first successful read attempt."""
+        clock = self._clock
+        period = self._period_ns
+        start = clock.monotonic_ns()
+        tick = 0
+        failures = 0
+        started = False
+        while True:
+            due = self._due(tick)
+            try:
+                events = await self._read(due)
+            except DeviceError as exc:
+                failures += 1
+                self.stats.errors += 1
+                delay = min(self._backoff[0] * 2 ** (failures - 1), self._backoff[1])
+                await self._fault(exc, delay)
+                if not started:
+                    task_status.started()
+                    started = True
+                # Resume on the grid after the back-off.
+                resume = clock.monotonic_ns() + round(delay * 1e9)
+                await clock.sleep_until(resume)
+                tick = max(tick + 1, -(-(clock.monotonic_ns() - start) // period))
+                continue
+            if failures:
+                logger.info("%s: reading again after %d failure(s)", self.device.key, failures)
+                failures = 0
+            self.stats.reads += 1
+            for event in events:
+                await self._publish(event)
+            if not started:
+                task_status.started()
+                started = True
+            tick += 1
+            deadline = start + tick * period
+            now = clock.monotonic_ns()
+            if now >= deadline:
+                # Late: skip to the next grid point in the future.
+                skipped = (now - deadline) // period + 1
+                self.stats.missed_ticks += skipped
+                tick += skipped
+                deadline = start + tick * period
+            await clock.sleep_until(deadline)
+
+    async def _read(self, due: tuple[str, ...]) -> Sequence[Event]:
+        device = self.device
+        if self.stats.offloaded:
+            wall = self._clock.wall_ns()
+            return await anyio.to_thread.run_sync(device.read, due, self._host, wall)
+        t0 = self._clock.monotonic_ns()
+        events = device.read(due, self._host, self._clock.wall_ns())
+        if self._clock.monotonic_ns() - t0 > self._offload_after_ns:
+            self.stats.offloaded = True
+            logger.warning(
+                "%s: a read took over %.1f ms; reading this device on a worker thread from now on",
+                device.key,
+                self._offload_after_ns / 1e6,
+            )
+        return events
+
+    async def _fault(self, exc: DeviceError, retry_in_s: float) -> None:
+        level = logging.DEBUG if isinstance(exc, NotSupportedError) else logging.WARNING
+        logger.log(level, "%s: %s (retry in %.2f s)", self.device.key, exc, retry_in_s)
+        await self._publish(
+            DeviceFault(
+                host=self._host,
+                t_ns=self._clock.wall_ns(),
+                device=self.device.key,
+                kind=exc.kind,
+                message=str(exc),
+                retry_in_s=retry_in_s,
+            )
+        )

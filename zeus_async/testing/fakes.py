@@ -1,0 +1,83 @@
+"""Scripted devices for tests of the runtime (no simulator, no NVML).
+
+:class:`ScriptedGpu` returns :class:`~zeus_async.events.GpuSample` values computed from the
+injected clock, can fail on a schedule, and can make reads "slow" by advancing a fake clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Sequence
+
+from ..clock import Clock, FakeClock
+from ..errors import DeviceError
+from ..events import DeviceInfo, Event, GpuSample
+
+__all__ = ["ScriptedGpu"]
+
+logger = logging.getLogger(__name__)
+
+_FIELDS = ("power_w", "energy_j", "temperature_c")
+
+
+class ScriptedGpu:
+    """A fake GPU device whose readings are functions of the clock.
+
+    Args:
+        index: GPU index.
+        clock: Clock the readings follow (a :class:`FakeClock` for ``read_cost_s``).
+        power_w: Constant power; energy is ``power_w * elapsed``.
+        fail: Returns an error to raise for a given monotonic ns, or ``None``.
+        read_cost_s: Fake time each read consumes (advances a :class:`FakeClock`).
+    """
+
+    def __init__(
+        self,
+        index: int,
+        clock: Clock,
+        *,
+        power_w: float = 100.0,
+        fail: Callable[[int], DeviceError | None] | None = None,
+        read_cost_s: float = 0.0,
+    ) -> None:
+        self.index = index
+        self._clock = clock
+        self._power = power_w
+        self._fail = fail
+        self._cost = read_cost_s
+        self.reads: list[tuple[int, tuple[str, ...]]] = []
+        self.closed = False
+
+    @property
+    def key(self) -> str:
+        return f"gpu:{self.index}"
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return _FIELDS
+
+    def describe(self) -> DeviceInfo:
+        return DeviceInfo(key=self.key, name="Scripted GPU", arch="hopper", has_energy_counter=True)
+
+    def read(self, fields: Collection[str], host: str, t_ns: int) -> Sequence[Event]:
+        now = self._clock.monotonic_ns()
+        self.reads.append((now, tuple(fields)))
+        if self._cost and isinstance(self._clock, FakeClock):
+            self._clock.advance_sync(self._cost)
+        if self._fail is not None:
+            error = self._fail(now)
+            if error is not None:
+                raise error
+        return [
+            GpuSample(
+                host=host,
+                t_ns=t_ns,
+                gpu=self.index,
+                power_w=self._power if "power_w" in fields else None,
+                energy_j=self._power * now / 1e9 if "energy_j" in fields else None,
+                temperature_c=50.0 if "temperature_c" in fields else None,
+            )
+        ]
+
+    def close(self) -> None:
+        self.closed = True
