@@ -264,7 +264,7 @@ Event = (
 )
 """The tagged union of every event kind."""
 
-EVENT_TYPES: Final[tuple[type[Any], ...]] = Event.__args__  # type: ignore[attr-defined]
+EVENT_TYPES: Final[tuple[type[Any], ...]] = Event.__args__
 
 
 def event_topic(event: Event) -> str:
@@ -320,9 +320,10 @@ class EventDecoder:
 
     def decode(self, data: bytes | bytearray | memoryview) -> Event:
         try:
-            return self._one.decode(data)
+            event: Event = self._one.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise CodecError(f"invalid event: {exc}") from None
+        return event
 
 
 def _to_builtin(value: Any) -> Any:

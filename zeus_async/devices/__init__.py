@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..clock import Clock
-from ..errors import ConfigError, DeviceError
+from ..errors import ConfigError, DeviceError, NoPermissionError
 from .base import GPU_FIELDS, Device, GpuControl
 
 __all__ = ["GPU_FIELDS", "Backend", "Device", "GpuControl", "OpenedDevices", "open_devices"]
@@ -94,6 +94,10 @@ def _open_cpus(cpus: Sequence[int] | Literal["auto"] | None, root: str | Path) -
     if cpus == "auto":
         try:
             return list(rapl.open_rapl_packages(root))
+        except NoPermissionError as exc:
+            # The user can fix this one: say so loudly rather than dropping CPU energy quietly.
+            logger.warning("CPU energy (RAPL) not sampled: %s", exc)
+            return []
         except DeviceError as exc:
             logger.info("CPU energy (RAPL) not sampled: %s", exc)
             return []

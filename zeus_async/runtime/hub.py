@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable
 
 import anyio
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..events import Event
 
@@ -41,12 +41,12 @@ class Hub:
     """Fan-out point between producers (samplers, windows) and consumers (aggregators, sinks)."""
 
     def __init__(self) -> None:
-        self._consumers: list[ObjectSendStream[Event]] = []
+        self._consumers: list[MemoryObjectSendStream[Event]] = []
         self._sinks: tuple[Sink, ...] = ()
         self._closed = False
         self.stats = HubStats()
 
-    def subscribe(self, max_buffer: int = 4096) -> ObjectReceiveStream[Event]:
+    def subscribe(self, max_buffer: int = 4096) -> MemoryObjectReceiveStream[Event]:
         """Register a lossless consumer; returns the stream it reads events from.
 
         The stream ends (``EndOfStream``) when the hub is closed, after every event published
@@ -75,7 +75,7 @@ class Hub:
         self.stats.events += 1
         for sink in self._sinks:
             self._call_sink(sink, event)
-        dead: list[ObjectSendStream[Event]] | None = None
+        dead: list[MemoryObjectSendStream[Event]] | None = None
         for stream in self._consumers:
             try:
                 stream.send_nowait(event)

@@ -215,8 +215,10 @@ class Runtime:
             )
         else:
             self.publisher = self._publish_arg
-        await tg.start(self.publisher.run)
-        self.hub.add_sink(self.publisher.publish)
+        publisher = self.publisher
+        assert publisher is not None
+        await tg.start(publisher.run)
+        self.hub.add_sink(publisher.publish)
 
     def stream_info(self) -> StreamInfo:
         """The :class:`StreamInfo` event describing this runtime and its devices."""

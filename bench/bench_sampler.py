@@ -1,0 +1,185 @@
+"""Sampler CPU cost: zeus_async's runtime vs Zeus 0.16 ``PowerMonitor`` on the same simulated GPUs.
+
+Both run in fresh subprocesses whose ``pynvml`` is zeus_async's simulator (through the shim on
+PYTHONPATH), with the same GPU count, cadence, per-call NVML latency and duration. CPU seconds
+are user+system time of the measuring process *and all its children* (Zeus polls from spawned
+processes), split into
+
+* startup: from before constructing the monitor until it is sampling (imports excluded);
+* steady: the sampling interval itself (the cost that grows with run length);
+* total: startup + steady + stop.
+
+Run: ``bench/.venv/bin/python bench/bench_sampler.py`` (see bench/README.md for the venv).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+
+
+def _cpu_tree() -> float:
+    """CPU seconds of this process plus its live children."""
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _cpu_all_including_reaped() -> float:
+    r_self = resource.getrusage(resource.RUSAGE_SELF)
+    r_child = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r_self.ru_utime + r_self.ru_stime + r_child.ru_utime + r_child.ru_stime
+
+
+def worker(kind: str, gpus: int, period: float, duration: float, fields: str) -> dict[str, Any]:
+    if kind == "zeus":
+        import logging
+
+        logging.disable(logging.WARNING)  # Zeus warns about <50 ms periods on every start
+        from zeus.monitor.power import PowerDomain, PowerMonitor
+
+        c0, w0 = _cpu_all_including_reaped(), time.perf_counter()
+        mon = PowerMonitor(
+            gpu_indices=list(range(gpus)),
+            update_period=period,
+            power_domains=[PowerDomain.DEVICE_INSTANT],
+        )
+        c1_tree = _cpu_tree()
+        time.sleep(duration)
+        c2_tree = _cpu_tree()
+        timeline = mon.get_power_timeline(PowerDomain.DEVICE_INSTANT)
+        samples = sum(len(v) for v in (timeline or {}).values())
+        mon.stop()
+        for p in list(mon.processes.values()):
+            p.join(timeout=5)
+        c3 = _cpu_all_including_reaped()
+        startup = c1_tree
+    else:
+        from zeus_async.runtime import EmbeddedRuntime
+
+        field_map: dict[str, float | None] | None
+        if fields == "power":
+            field_map = {"power_w": None}
+        else:
+            field_map = {
+                f: None
+                for f in (
+                    "power_w",
+                    "avg_power_w",
+                    "energy_j",
+                    "temperature_c",
+                    "sm_clock_hz",
+                    "utilization_frac",
+                    "memory_used_bytes",
+                    "power_limit_w",
+                )
+            }
+        c0, w0 = _cpu_all_including_reaped(), time.perf_counter()
+        rt = EmbeddedRuntime(backend="sim", cpus=None, period_s=period, fields=field_map)
+        rt.start()
+        assert rt.runtime is not None
+        c1_tree = _cpu_tree()
+        time.sleep(duration)
+        c2_tree = _cpu_tree()
+        samples = sum(s.stats.reads for s in rt.runtime.samplers)
+        rt.stop()
+        c3 = _cpu_all_including_reaped()
+        startup = c1_tree
+    # `startup` is the tree's CPU at "ready"; subtract what this process had spent before
+    # constructing the monitor (interpreter start, imports) so it counts the monitor alone.
+    startup -= c0
+    steady = c2_tree - c1_tree
+    return {
+        "kind": kind,
+        "gpus": gpus,
+        "period_s": period,
+        "duration_s": duration,
+        "fields": fields,
+        "startup_cpu_s": startup,
+        "steady_cpu_s": steady,
+        "total_cpu_s": c3 - c0,
+        "samples": samples,
+        "wall_s": time.perf_counter() - w0,
+    }
+
+
+def run_worker(
+    python: str, kind: str, gpus: int, period: float, duration: float, fields: str, latency: float
+) -> dict[str, Any]:
+    from zeus_async.testing.sim_pynvml import shim_env
+
+    config = {"num_gpus": gpus, "call_latency_s": latency, "seed": 1}
+    env = {**os.environ, **shim_env(config)}
+    cmd = [python, __file__, "--worker", kind, "--gpus", str(gpus), "--period", str(period)]
+    cmd += ["--duration", str(duration), "--fields", fields]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"{kind} worker failed:\n{out.stderr[-4000:]}")
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--worker", choices=("zeus", "ours"))
+    parser.add_argument("--gpus", type=int, default=4)
+    parser.add_argument("--period", type=float, default=0.01)
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--fields", choices=("power", "all"), default="power")
+    parser.add_argument("--latency", type=float, default=10e-6, help="simulated NVML call cost")
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    if args.worker:
+        res = worker(args.worker, args.gpus, args.period, args.duration, args.fields)
+        print(json.dumps(res))
+        return
+    py = sys.executable
+    rows: list[dict[str, Any]] = []
+    for _ in range(args.repeat):
+        rows.append(run_worker(py, "zeus", 4, 0.01, args.duration, "power", args.latency))
+        rows.append(run_worker(py, "ours", 4, 0.01, args.duration, "power", args.latency))
+    rows.append(run_worker(py, "ours", 8, 0.01, args.duration, "all", args.latency))
+
+    def best(kind: str, gpus: int, fields: str) -> dict[str, Any]:
+        cand = [r for r in rows if (r["kind"], r["gpus"], r["fields"]) == (kind, gpus, fields)]
+        return min(cand, key=lambda r: r["steady_cpu_s"])
+
+    z, o, o8 = best("zeus", 4, "power"), best("ours", 4, "power"), best("ours", 8, "all")
+    print(
+        f"\nSampler CPU cost, {args.duration:g} s at 100 Hz, simulated NVML call "
+        f"{args.latency * 1e6:g} us (best of {args.repeat})\n"
+    )
+    print("| monitor | GPUs x fields | samples | startup CPU s | steady CPU s | total CPU s |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name, r in (("Zeus 0.16 PowerMonitor", z), ("zeus_async Runtime", o), ("zeus_async Runtime", o8)):
+        print(
+            f"| {name} | {r['gpus']} x {r['fields']} | {r['samples']} | {r['startup_cpu_s']:.3f} "
+            f"| {r['steady_cpu_s']:.3f} | {r['total_cpu_s']:.3f} |"
+        )
+    print(
+        f"\nratio ours/Zeus (4 GPUs, power): steady {o['steady_cpu_s'] / z['steady_cpu_s']:.3f}x, "
+        f"total {o['total_cpu_s'] / z['total_cpu_s']:.3f}x (target <= 0.25x)"
+    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
