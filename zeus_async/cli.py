@@ -170,21 +170,39 @@ async def _stop_on_signals(scope: anyio.CancelScope) -> None:
             return
 
 
+def demo_sim_config() -> Any:
+    """The simulator setup ``monitor`` uses when none is given: busy, varied GPUs."""
+    from .devices.sim import SimConfig
+    from .devices.sim_workload import RandomWorkload
+
+    return SimConfig(
+        workload=RandomWorkload(seg_min_s=0.3, seg_max_s=2.0), seed=7, power_noise_w=2.0
+    )
+
+
 async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
     from .runtime import Runtime
 
     totals = LiveTotals()
+
+    async def consume(stream: anyio.abc.ObjectReceiveStream[Event]) -> None:
+        async for event in stream:
+            totals.add(event)
+
+    sim_config = _sim_config(args.sim_config)
+    if sim_config is None and not os.environ.get("ZEUS_ASYNC_SIM"):
+        sim_config = demo_sim_config()
     runtime = Runtime(
         backend=args.backend,
         gpus=args.gpus,
         cpus="auto" if args.cpus == "auto" else None,
         period_s=args.period,
         publish=args.publish,
-        sim_config=_sim_config(args.sim_config),
+        sim_config=sim_config,
+        consumers=[consume],
     )
     tty = out.isatty()
     async with runtime as rt:
-        stream = rt.subscribe()
         where = f", publishing on {rt.publisher.endpoint}" if rt.publisher is not None else ""
         out.write(
             f"zeus-async monitor: backend {rt.backend}, {len(rt.devices)} device(s), "
@@ -197,12 +215,6 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
                 scope.deadline = anyio.current_time() + args.duration
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_stop_on_signals, scope)
-
-                async def consume() -> None:
-                    async for event in stream:
-                        totals.add(event)
-
-                tg.start_soon(consume)
                 while True:
                     await anyio.sleep(args.refresh)
                     lines = render_table(totals)

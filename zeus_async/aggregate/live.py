@@ -1,9 +1,9 @@
 """Running per-device totals over a live or replayed stream (what ``zeus-async monitor`` shows).
 
-Energy is taken from the GPU energy counter when samples carry it (difference between the last
-and first counter value seen) and otherwise integrated from power samples with the trapezoid
-rule; each device's :attr:`DeviceTotals.method` says which, so the figures never pretend to be
-more exact than they are.
+Energy is taken from the energy counter when samples carry it (with the partial counter
+periods at both ends filled in from power samples) and otherwise integrated from power samples
+with the trapezoid rule; each device's :attr:`DeviceTotals.method` says which, so the figures
+never pretend to be more exact than they are.
 """
 
 from __future__ import annotations
@@ -18,13 +18,23 @@ logger = logging.getLogger(__name__)
 
 
 class DeviceTotals:
-    """Latest readings and accumulated energy of one device."""
+    """Latest readings and accumulated energy of one device.
+
+    Energy from a counter that updates only every ~100 ms (NVML on recent GPUs) is exact
+    between two observed updates but says nothing about the partial periods at either end of
+    the span. Those ends are filled in from the integrated power samples, so a short span is
+    never reported as 0 J and a long one is not short by up to one counter period
+    (method ``counter+interpolated``).
+    """
 
     __slots__ = (
-        "_integrated_j",
+        "_changes",
+        "_cum_j",
+        "_first_change",
+        "_first_counter",
+        "_last_change",
+        "_last_counter",
         "_last_power",
-        "counter_first_j",
-        "counter_last_j",
         "fault",
         "first_t_ns",
         "key",
@@ -38,31 +48,53 @@ class DeviceTotals:
         self.last: dict[str, float | int | None] = {}
         self.first_t_ns: int | None = None
         self.last_t_ns: int | None = None
-        self.counter_first_j: float | None = None
-        self.counter_last_j: float | None = None
-        self._integrated_j = 0.0
+        # Cumulative trapezoid energy of the power samples, at the latest power sample.
+        self._cum_j = 0.0
         self._last_power: tuple[int, float] | None = None
         self.power_samples = 0
+        self._last_counter: float | None = None
+        self._first_counter: float | None = None
+        self._changes = 0
+        # (t_ns, counter J, cumulative integrated J at that time) of counter updates.
+        self._first_change: tuple[int, float, float] | None = None
+        self._last_change: tuple[int, float, float] | None = None
         self.fault: str | None = None
 
     def add_power(self, t_ns: int, power_w: float) -> None:
+        """Account one power sample (trapezoid rule between consecutive samples)."""
         if self._last_power is not None:
             t0, p0 = self._last_power
             if t_ns > t0:
-                self._integrated_j += (p0 + power_w) / 2 * (t_ns - t0) / 1e9
+                self._cum_j += (p0 + power_w) / 2 * (t_ns - t0) / 1e9
         self._last_power = (t_ns, power_w)
         self.power_samples += 1
 
-    def add_counter(self, energy_j: float) -> None:
-        if self.counter_first_j is None:
-            self.counter_first_j = energy_j
-        self.counter_last_j = energy_j
+    def add_counter(self, t_ns: int, energy_j: float, *, fine: bool = False) -> None:
+        """Account one energy-counter reading; call after :meth:`add_power` of the same time.
+
+        Args:
+            t_ns: Time of the reading.
+            energy_j: Counter value.
+            fine: The counter updates far faster than it is sampled (RAPL, ~1 ms), so every
+                reading is a valid reference point, including the first.
+        """
+        if self._first_counter is None:
+            self._first_counter = energy_j
+        if fine or (self._last_counter is not None and energy_j != self._last_counter):
+            self._changes += 1
+            # The counter moved between the previous reading and this one: its value is the
+            # energy up to that update, known to within one sample period.
+            change = (t_ns, energy_j, self._cum_j)
+            if self._first_change is None:
+                self._first_change = change
+            self._last_change = change
+        self._last_counter = energy_j
 
     @property
     def method(self) -> str:
-        """``counter``, ``integrated`` or ``unavailable``."""
-        if self.counter_first_j is not None:
-            return "counter"
+        """``counter``, ``counter+interpolated``, ``integrated`` or ``unavailable``."""
+        if self._first_change is not None:
+            return "counter+interpolated" if self.power_samples >= 2 else "counter"
         if self.power_samples >= 2:
             return "integrated"
         return "unavailable"
@@ -70,10 +102,29 @@ class DeviceTotals:
     @property
     def energy_j(self) -> float | None:
         """Energy over the observed span, or ``None`` when it cannot be known."""
-        if self.counter_first_j is not None and self.counter_last_j is not None:
-            return self.counter_last_j - self.counter_first_j
+        fc, lc = self._first_change, self._last_change
+        if fc is not None and lc is not None:
+            counted = lc[1] - fc[1]
+            head = fc[2]
+            if (
+                self._changes >= 3
+                and self._first_counter is not None
+                and self.first_t_ns is not None
+                and fc[0] > self.first_t_ns
+            ):
+                # The first counter period, (u0, u1], is known in energy (first update minus
+                # the first reading) and, from the regular update cadence, in length; the part
+                # of it after the first sample is taken in proportion to time.
+                period_ns = (lc[0] - fc[0]) / (self._changes - 1)
+                fraction = min(1.0, (fc[0] - self.first_t_ns) / period_ns)
+                head = (fc[1] - self._first_counter) * fraction
+            elif self.power_samples < 2:
+                head = 0.0
+            # The tail after the last update is integrated from power samples.
+            tail = self._cum_j - lc[2] if self.power_samples >= 2 else 0.0
+            return head + counted + tail
         if self.power_samples >= 2:
-            return self._integrated_j
+            return self._cum_j
         return None
 
     @property
@@ -106,17 +157,18 @@ class LiveTotals:
                 value = getattr(event, field)
                 if value is not None:
                     totals.last[field] = value
-            if event.energy_j is not None:
-                totals.add_counter(event.energy_j)
             if event.power_w is not None:
                 totals.add_power(event.t_ns, event.power_w)
+            if event.energy_j is not None:
+                totals.add_counter(event.t_ns, event.energy_j)
             totals.fault = None
         elif isinstance(event, RaplSample):
             totals = self._get(f"cpu:{event.package}/{event.domain}")
             self._stamp(totals, event.t_ns)
-            totals.add_counter(event.energy_j)
             if event.power_w is not None:
                 totals.last["power_w"] = event.power_w
+            # RAPL counters update every ~1 ms: the counter alone is exact enough.
+            totals.add_counter(event.t_ns, event.energy_j, fine=True)
             totals.fault = None
         elif isinstance(event, DeviceFault):
             prefix = event.device

@@ -1,0 +1,590 @@
+"""NVML backend: GPUs through nvidia-ml-py (``pynvml``), the one hardware path.
+
+Only documented nvidia-ml-py calls are used, on whatever module ``import pynvml`` resolves to at
+open time (or the module passed as ``pynvml_module``), so the very same code runs on a real H100
+and on :mod:`zeus_async.testing.sim_pynvml` in CI.
+
+Reading (:meth:`NvmlGpu.read`, the hot path: 100 Hz x 8 GPUs):
+
+* ``power_w`` / ``avg_power_w`` / ``energy_j`` are fetched in **one**
+  ``nvmlDeviceGetFieldValues`` call (``NVML_FI_DEV_POWER_INSTANT``, ``NVML_FI_DEV_POWER_AVERAGE``,
+  ``NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION``). A field id the driver rejects falls back to the
+  per-call API: ``nvmlDeviceGetTotalEnergyConsumption`` for energy and
+  ``nvmlDeviceGetPowerUsage``, which NVML documents as a 1 s average on Ampere and later (used for
+  ``avg_power_w``) and as instantaneous before (used for ``power_w``).
+* A field the device does not support is ``None`` and is remembered, so it is not queried again.
+  A lost GPU raises :class:`~zeus_async.errors.DeviceLostError`; other per-field failures leave
+  that field ``None`` for this tick, unless every field failed, which raises the mapped error.
+* Read plans (which field ids, which getters) are precomputed per requested field set.
+
+``CUDA_VISIBLE_DEVICES`` is honoured here, not by NVML: logical index ``i`` (key ``gpu:<i>``) is
+the i-th visible GPU. Error handling: :func:`map_nvml_error` turns every ``NVMLError`` into the
+package's typed errors.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import os
+import threading
+from collections.abc import Callable, Collection, Mapping, Sequence
+from types import ModuleType
+from typing import Any, Final
+
+from ..errors import (
+    ConfigError,
+    DeviceError,
+    DeviceLostError,
+    DeviceNotFoundError,
+    DriverNotLoadedError,
+    NoPermissionError,
+    NotSupportedError,
+    TransientDeviceError,
+    ZeusAsyncError,
+)
+from ..events import DeviceInfo, Event, GpuSample
+from .base import GPU_FIELDS
+from .nvml_visible import parse_cuda_visible_devices
+
+__all__ = [
+    "NvmlGpu",
+    "map_nvml_error",
+    "nvml_available",
+    "open_nvml_gpus",
+    "parse_cuda_visible_devices",
+    "visible_nvml_indices",
+]
+
+logger = logging.getLogger(__name__)
+
+ARCH_NAMES: Final[dict[int, str]] = {
+    2: "kepler",
+    3: "maxwell",
+    4: "pascal",
+    5: "volta",
+    6: "turing",
+    7: "ampere",
+    8: "ada",
+    9: "hopper",
+    10: "blackwell",
+}
+_VOLTA, _AMPERE = 5, 7
+
+# NVML return codes (C ABI values) grouped by how a caller reacts to them.
+_NOT_SUPPORTED_CODES: Final = frozenset({3, 13, 22, 25, 26, 30})
+_PERMISSION_CODES: Final = frozenset({4, 17})  # NO_PERMISSION, OPERATING_SYSTEM
+_LOST_CODES: Final = frozenset({8, 11, 15, 16})  # INSUFFICIENT_POWER, IRQ, GPU_IS_LOST, RESET
+_DRIVER_CODES: Final = frozenset({1, 9, 12, 18})  # UNINITIALIZED, NOT_LOADED, NO_LIBRARY, RM
+_ARGUMENT_CODES: Final = frozenset({2, 24})  # INVALID_ARGUMENT, FREQ_NOT_SUPPORTED
+_NOT_FOUND_CODES: Final = frozenset({6, 28})  # NOT_FOUND, GPU_NOT_FOUND
+_FATAL_CODES: Final = _LOST_CODES | _DRIVER_CODES
+
+PRIVILEGE_HINT: Final = (
+    "changing GPU power limits, clocks or persistence mode needs root or CAP_SYS_ADMIN: run as "
+    "root, grant the capability (e.g. `sudo setcap cap_sys_admin+ep <python>`), or let a "
+    "privileged helper do it; `sudo nvidia-smi -pm 1` (persistence mode) keeps the settings "
+    "between processes"
+)
+
+# nvmlValue_t member for each NVML_VALUE_TYPE_* (0..6).
+_VALUE_ATTRS: Final = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+
+
+def _code(exc: BaseException) -> int | None:
+    value = getattr(exc, "value", None)
+    return value if isinstance(value, int) else None
+
+
+def map_nvml_error(exc: BaseException, device_key: str = "", action: str = "") -> ZeusAsyncError:
+    """The zeus_async error for an ``NVMLError`` (or any exception with an int ``value``).
+
+    Args:
+        exc: The exception raised by pynvml.
+        device_key: Device it concerns (``"gpu:0"``), for the message and ``error.device``.
+        action: What was being done (``"setting the power limit"``), for the message.
+
+    Returns:
+        ``NotSupportedError`` (NOT_SUPPORTED, FUNCTION_NOT_FOUND, ...), ``NoPermissionError``
+        (with the privilege needed), ``DeviceLostError`` (GPU_IS_LOST, RESET_REQUIRED, ...),
+        ``DriverNotLoadedError`` (DRIVER_NOT_LOADED, LIBRARY_NOT_FOUND, UNINITIALIZED, ...),
+        ``ConfigError`` (INVALID_ARGUMENT, FREQ_NOT_SUPPORTED), ``DeviceNotFoundError``
+        (NOT_FOUND, GPU_NOT_FOUND), else ``TransientDeviceError`` (TIMEOUT, UNKNOWN, ...).
+    """
+    code = _code(exc)
+    try:
+        text = str(exc)
+    except Exception:  # a broken __str__ must not hide the original error
+        text = type(exc).__name__
+    where = " ".join(p for p in (action, f"on {device_key}" if device_key else "") if p)
+    message = f"{where + ': ' if where else ''}NVML error {code} ({text})"
+    if code in _NOT_SUPPORTED_CODES:
+        return NotSupportedError(message, device=device_key, code=code)
+    if code in _PERMISSION_CODES:
+        return NoPermissionError(f"{message}; {PRIVILEGE_HINT}", device=device_key, code=code)
+    if code in _LOST_CODES:
+        return DeviceLostError(message, device=device_key, code=code)
+    if code in _DRIVER_CODES:
+        return DriverNotLoadedError(message, device=device_key, code=code)
+    if code in _ARGUMENT_CODES:
+        return ConfigError(message)
+    if code in _NOT_FOUND_CODES:
+        return DeviceNotFoundError(message, device=device_key, code=code)
+    return TransientDeviceError(message, device=device_key, code=code)
+
+
+def _import_pynvml() -> ModuleType:
+    try:
+        return importlib.import_module("pynvml")
+    except ImportError as exc:
+        raise DriverNotLoadedError(
+            f"nvidia-ml-py (module pynvml) is not importable: {exc}"
+        ) from None
+
+
+class _Session:
+    """One ``nvmlInit`` shared by the GPUs opened together; ``nvmlShutdown`` after the last."""
+
+    def __init__(self, nv: ModuleType) -> None:
+        self.nv = nv
+        self._refs = 0
+        self._lock = threading.Lock()
+
+    def open(self) -> None:
+        try:
+            self.nv.nvmlInit()
+        except self.nv.NVMLError as exc:
+            raise map_nvml_error(exc, action="initializing NVML") from None
+        self._refs = 1
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._refs += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._refs -= 1
+            if self._refs != 0:
+                return
+        try:
+            self.nv.nvmlShutdown()
+        except self.nv.NVMLError as exc:
+            logger.debug("nvmlShutdown failed: %s", exc)
+
+
+_Plan = tuple[list[Any], list[str], list[tuple[str, Callable[[], Any]]]]
+
+
+class NvmlGpu:
+    """One GPU through NVML; implements :class:`~zeus_async.devices.base.Device` and
+    :class:`~zeus_async.devices.base.GpuControl`.
+
+    Args:
+        nv: The pynvml module in use.
+        handle: Its device handle.
+        index: Logical index (after ``CUDA_VISIBLE_DEVICES``).
+        physical_index: NVML index.
+        session: Shared NVML initialization, released by :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        nv: ModuleType,
+        handle: Any,
+        index: int,
+        physical_index: int,
+        *,
+        session: _Session | None = None,
+    ) -> None:
+        self._nv = nv
+        self._handle = handle
+        self._index = index
+        self.physical_index = physical_index
+        self._key = f"gpu:{index}"
+        self._error: type[BaseException] = nv.NVMLError
+        self._session = session
+        if session is not None:
+            session.acquire()
+        self._closed = False
+        self._plans: dict[Collection[str], _Plan] = {}
+        self._unsupported: set[str] = set()  # fields the device cannot read at all
+        self._no_field_value: set[str] = set()  # fields whose field id the driver rejected
+        scope = getattr(nv, "NVML_POWER_SCOPE_GPU", 0)
+        ids = {
+            "power_w": getattr(nv, "NVML_FI_DEV_POWER_INSTANT", None),
+            "avg_power_w": getattr(nv, "NVML_FI_DEV_POWER_AVERAGE", None),
+            "energy_j": getattr(nv, "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION", None),
+        }
+        self._field_ids: dict[str, Any] = {
+            name: (fid if name == "energy_j" else (fid, scope))
+            for name, fid in ids.items()
+            if fid is not None
+        }
+        self._use_temperature_v = hasattr(nv, "nvmlDeviceGetTemperatureV")
+        self._info = self._describe()
+        if not self._info.has_energy_counter:
+            self._unsupported.add("energy_j")
+        if self._arch is None or self._arch >= _AMPERE:
+            self._power_usage_field = "avg_power_w"  # documented as a 1 s average here
+        else:
+            self._power_usage_field = "power_w"
+        self._getters: dict[str, Callable[[], Any]] = {
+            "energy_j": self._read_energy,
+            "temperature_c": self._read_temperature,
+            "sm_clock_hz": self._read_sm_clock,
+            "utilization_frac": self._read_utilization,
+            "memory_used_bytes": self._read_memory_used,
+            "power_limit_w": self._read_power_limit,
+            self._power_usage_field: self._read_power_usage,
+        }
+        self.read(GPU_FIELDS, "", 0)  # probe: learn which fields this device supports
+        self._fields = tuple(f for f in GPU_FIELDS if f not in self._unsupported)
+
+    # -- static facts -----------------------------------------------------------------------
+
+    def _call(self, action: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(self._handle, *args)
+        except self._error as exc:
+            raise map_nvml_error(exc, self._key, action) from None
+
+    def _optional(self, action: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn`` or ``None`` when not supported; lost GPUs and driver errors still raise."""
+        try:
+            return self._call(action, fn, *args)
+        except (NotSupportedError, TransientDeviceError, ConfigError, DeviceNotFoundError):
+            return None
+
+    def _describe(self) -> DeviceInfo:
+        nv = self._nv
+        name = str(self._call("reading the name", nv.nvmlDeviceGetName))
+        uuid = str(self._call("reading the UUID", nv.nvmlDeviceGetUUID))
+        arch = self._optional("reading the architecture", nv.nvmlDeviceGetArchitecture)
+        self._arch: int | None = arch
+        has_counter = False
+        if arch is None or arch >= _VOLTA:
+            has_counter = (
+                self._optional("probing the energy counter", nv.nvmlDeviceGetTotalEnergyConsumption)
+                is not None
+            )
+        limits = self._optional(
+            "reading power limit constraints", nv.nvmlDeviceGetPowerManagementLimitConstraints
+        )
+        self._limit_range: tuple[float, float] | None = (
+            None if limits is None else (limits[0] / 1000.0, limits[1] / 1000.0)
+        )
+        default = self._optional(
+            "reading the default power limit", nv.nvmlDeviceGetPowerManagementDefaultLimit
+        )
+        clocks: list[float] = []
+        mem_clocks = self._optional("reading memory clocks", nv.nvmlDeviceGetSupportedMemoryClocks)
+        if mem_clocks:
+            sm = self._optional(
+                "reading SM clocks", nv.nvmlDeviceGetSupportedGraphicsClocks, max(mem_clocks)
+            )
+            clocks = sorted((c * 1e6 for c in sm or ()), reverse=True)
+        self._sm_clocks_hz = clocks
+        return DeviceInfo(
+            key=self._key,
+            name=name,
+            uuid=uuid,
+            arch=ARCH_NAMES.get(arch, "unknown") if arch is not None else "unknown",
+            has_energy_counter=has_counter,
+            power_limit_min_w=None if limits is None else limits[0] / 1000.0,
+            power_limit_max_w=None if limits is None else limits[1] / 1000.0,
+            power_limit_default_w=None if default is None else default / 1000.0,
+            supported_sm_clocks_hz=list(clocks),
+        )
+
+    @property
+    def key(self) -> str:
+        return self._key
+
+    @property
+    def index(self) -> int:
+        return self._index
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return self._fields
+
+    def describe(self) -> DeviceInfo:
+        return self._info
+
+    # -- sampling ---------------------------------------------------------------------------
+
+    def _plan(self, fields: Collection[str]) -> _Plan:
+        fv_ids: list[Any] = []
+        fv_names: list[str] = []
+        getters: list[tuple[str, Callable[[], Any]]] = []
+        for name in GPU_FIELDS:
+            if name not in fields or name in self._unsupported:
+                continue
+            if name in self._field_ids and name not in self._no_field_value:
+                fv_ids.append(self._field_ids[name])
+                fv_names.append(name)
+            elif name in self._getters:
+                getters.append((name, self._getters[name]))
+            else:
+                self._unsupported.add(name)
+        return fv_ids, fv_names, getters
+
+    def _forget_plans(self) -> None:
+        self._plans = {}
+        self._fields = tuple(f for f in GPU_FIELDS if f not in self._unsupported)
+
+    def read(self, fields: Collection[str], host: str, t_ns: int) -> Sequence[Event]:
+        """Read ``fields`` now; one :class:`GpuSample` (unsupported fields ``None``)."""
+        key = fields if isinstance(fields, (tuple, frozenset)) else tuple(fields)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(key)
+        fv_ids, fv_names, getters = plan
+        out: dict[str, Any] = {}
+        failure: ZeusAsyncError | None = None
+        replan = False
+        if fv_ids:
+            try:
+                values = self._nv.nvmlDeviceGetFieldValues(self._handle, fv_ids)
+            except self._error as exc:
+                if _code(exc) not in _NOT_SUPPORTED_CODES:
+                    failure = self._failed(exc, "reading field values")
+                else:  # no field values on this driver: per-call APIs from now on
+                    self._no_field_value.update(fv_names)
+                    self._forget_plans()
+                    return self.read(key, host, t_ns)
+            else:
+                for name, value in zip(fv_names, values, strict=False):
+                    ret = value.nvmlReturn
+                    if ret == 0:
+                        raw = getattr(value.value, _VALUE_ATTRS[value.valueType])
+                        out[name] = raw / 1000.0  # mW -> W, mJ -> J
+                    elif ret in _NOT_SUPPORTED_CODES:
+                        self._no_field_value.add(name)
+                        replan = True
+                        getter = self._getters.get(name)
+                        if getter is not None:
+                            failure = self._get(name, getter, out) or failure
+                        else:
+                            self._unsupported.add(name)
+                    else:
+                        failure = self._failed(self._error(ret), f"reading {name}") or failure
+        for name, getter in getters:
+            failure = self._get(name, getter, out) or failure
+        if replan:
+            self._forget_plans()
+        if failure is not None and not out:
+            raise failure
+        return [GpuSample(host, t_ns, self._index, **out)]
+
+    def _failed(self, exc: BaseException, action: str) -> ZeusAsyncError:
+        """Map a read error; lost GPUs and a vanished driver raise at once."""
+        err = map_nvml_error(exc, self._key, action)
+        if _code(exc) in _FATAL_CODES:
+            raise err
+        logger.debug("%s", err)
+        return err
+
+    def _get(
+        self, name: str, getter: Callable[[], Any], out: dict[str, Any]
+    ) -> ZeusAsyncError | None:
+        try:
+            out[name] = getter()
+        except self._error as exc:
+            if _code(exc) in _NOT_SUPPORTED_CODES:
+                self._unsupported.add(name)
+                self._forget_plans()
+                return None
+            return self._failed(exc, f"reading {name}")
+        return None
+
+    def _read_energy(self) -> float:
+        mj: int = self._nv.nvmlDeviceGetTotalEnergyConsumption(self._handle)
+        return mj / 1000.0
+
+    def _read_power_usage(self) -> float:
+        mw: int = self._nv.nvmlDeviceGetPowerUsage(self._handle)
+        return mw / 1000.0
+
+    def _read_temperature(self) -> float:
+        nv = self._nv
+        if self._use_temperature_v:
+            try:
+                return float(nv.nvmlDeviceGetTemperatureV(self._handle, nv.NVML_TEMPERATURE_GPU))
+            except self._error as exc:
+                if _code(exc) not in _NOT_SUPPORTED_CODES:
+                    raise
+                self._use_temperature_v = False  # older driver: the deprecated call
+        return float(nv.nvmlDeviceGetTemperature(self._handle, nv.NVML_TEMPERATURE_GPU))
+
+    def _read_sm_clock(self) -> float:
+        return float(self._nv.nvmlDeviceGetClockInfo(self._handle, self._nv.NVML_CLOCK_SM)) * 1e6
+
+    def _read_utilization(self) -> float:
+        return float(self._nv.nvmlDeviceGetUtilizationRates(self._handle).gpu) / 100.0
+
+    def _read_memory_used(self) -> int:
+        return int(self._nv.nvmlDeviceGetMemoryInfo(self._handle).used)
+
+    def _read_power_limit(self) -> float:
+        return float(self._nv.nvmlDeviceGetEnforcedPowerLimit(self._handle)) / 1000.0
+
+    # -- control ----------------------------------------------------------------------------
+
+    def get_power_limit_w(self) -> float:
+        mw = self._call("reading the power limit", self._nv.nvmlDeviceGetPowerManagementLimit)
+        return float(mw) / 1000.0
+
+    def power_limit_range_w(self) -> tuple[float, float]:
+        if self._limit_range is None:
+            raise NotSupportedError(f"{self._key} has no settable power limit", device=self._key)
+        return self._limit_range
+
+    def set_power_limit_w(self, watts: float) -> None:
+        """Set the limit; ``ConfigError`` out of range, ``NoPermissionError`` if unprivileged."""
+        lo, hi = self.power_limit_range_w()
+        if not (math.isfinite(watts) and lo <= watts <= hi):
+            raise ConfigError(
+                f"power limit {watts} W for {self._key} is outside the supported range "
+                f"[{lo:g}, {hi:g}] W"
+            )
+        self._call(
+            "setting the power limit",
+            self._nv.nvmlDeviceSetPowerManagementLimit,
+            round(watts * 1000),
+        )
+
+    def supported_sm_clocks_hz(self) -> list[float]:
+        return list(self._sm_clocks_hz)
+
+    def lock_sm_clocks_hz(self, min_hz: float, max_hz: float) -> None:
+        """Lock SM clocks to ``[min_hz, max_hz]`` (rounded to MHz)."""
+        if not (math.isfinite(min_hz) and math.isfinite(max_hz) and 0 < min_hz <= max_hz):
+            raise ConfigError(f"invalid SM clock range {min_hz}..{max_hz} Hz for {self._key}")
+        self._call(
+            "locking SM clocks",
+            self._nv.nvmlDeviceSetGpuLockedClocks,
+            round(min_hz / 1e6),
+            round(max_hz / 1e6),
+        )
+
+    def reset_sm_clocks(self) -> None:
+        self._call("resetting SM clocks", self._nv.nvmlDeviceResetGpuLockedClocks)
+
+    def close(self) -> None:
+        """Release this GPU's share of the NVML session. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._session is not None:
+            self._session.release()
+
+    def __repr__(self) -> str:
+        return f"NvmlGpu({self._key}, nvml index {self.physical_index}, {self._info.name!r})"
+
+
+def _uuids(nv: ModuleType, count: int) -> list[str]:
+    out: list[str] = []
+    for i in range(count):
+        try:
+            out.append(str(nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetHandleByIndex(i))))
+        except nv.NVMLError:
+            out.append("")  # an unreadable GPU matches no UUID, as for CUDA
+    return out
+
+
+def _visible(nv: ModuleType, env: Mapping[str, str] | None) -> list[int]:
+    try:
+        count = int(nv.nvmlDeviceGetCount())
+    except nv.NVMLError as exc:
+        raise map_nvml_error(exc, action="counting GPUs") from None
+    value = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    return parse_cuda_visible_devices(value, count, lambda: _uuids(nv, count))
+
+
+def open_nvml_gpus(
+    indices: Sequence[int] | None = None,
+    *,
+    pynvml_module: ModuleType | None = None,
+    env: Mapping[str, str] | None = None,
+) -> list[NvmlGpu]:
+    """Open GPUs through NVML, honouring ``CUDA_VISIBLE_DEVICES``.
+
+    Args:
+        indices: Logical indices (positions among the visible GPUs); ``None`` = all visible.
+        pynvml_module: The pynvml module to use (default: ``import pynvml`` now).
+        env: Environment to read ``CUDA_VISIBLE_DEVICES`` from (default ``os.environ``).
+
+    Raises:
+        DriverNotLoadedError: No NVML library or driver.
+        ConfigError: An index out of range, repeated, or a MIG device in ``CUDA_VISIBLE_DEVICES``.
+        DeviceError: A GPU failed while opening (e.g. ``DeviceLostError``).
+    """
+    nv = pynvml_module if pynvml_module is not None else _import_pynvml()
+    session = _Session(nv)
+    session.open()
+    gpus: list[NvmlGpu] = []
+    try:
+        visible = _visible(nv, env)
+        wanted = list(range(len(visible))) if indices is None else list(indices)
+        if len(set(wanted)) != len(wanted):
+            raise ConfigError(f"GPU indices repeated: {wanted}")
+        for i in wanted:
+            if not 0 <= i < len(visible):
+                raise ConfigError(
+                    f"GPU index {i} out of range: {len(visible)} visible GPU(s) "
+                    f"(NVML indices {visible}; CUDA_VISIBLE_DEVICES applies)"
+                )
+            try:
+                handle = nv.nvmlDeviceGetHandleByIndex(visible[i])
+            except nv.NVMLError as exc:
+                raise map_nvml_error(exc, f"gpu:{i}", "opening") from None
+            gpus.append(NvmlGpu(nv, handle, i, visible[i], session=session))
+    except BaseException:
+        for gpu in gpus:
+            gpu.close()
+        raise
+    finally:
+        session.release()  # the GPUs hold their own references
+    logger.info("opened %d GPU(s) through NVML: %s", len(gpus), [g.describe().name for g in gpus])
+    return gpus
+
+
+def nvml_available(pynvml_module: ModuleType | None = None) -> bool:
+    """Whether NVML initializes (library and driver present)."""
+    try:
+        nv = pynvml_module if pynvml_module is not None else _import_pynvml()
+        nv.nvmlInit()
+    except (DriverNotLoadedError, OSError) as exc:
+        logger.debug("NVML unavailable: %s", exc)
+        return False
+    except Exception as exc:  # pynvml.NVMLError of whichever module
+        logger.debug("NVML unavailable: %s", exc)
+        return False
+    try:
+        nv.nvmlShutdown()
+    except Exception as exc:
+        logger.debug("nvmlShutdown failed: %s", exc)
+    return True
+
+
+def visible_nvml_indices(
+    *, pynvml_module: ModuleType | None = None, env: Mapping[str, str] | None = None
+) -> list[int]:
+    """NVML indices of the GPUs this process may use; ``[]`` without a driver (auto-detection)."""
+    if not nvml_available(pynvml_module):
+        return []
+    nv = pynvml_module if pynvml_module is not None else _import_pynvml()
+    session = _Session(nv)
+    try:
+        session.open()
+    except DeviceError:
+        return []
+    try:
+        return _visible(nv, env)
+    except DeviceError as exc:
+        logger.debug("cannot list GPUs: %s", exc)
+        return []
+    finally:
+        session.release()
