@@ -1,7 +1,7 @@
 """Sampler CPU cost: zeus_async's runtime vs Zeus 0.16 ``PowerMonitor`` on the same simulated GPUs.
 
 Both run in fresh subprocesses whose ``pynvml`` is zeus_async's simulator (through the shim on
-PYTHONPATH), with the same GPU count, cadence, per-call NVML latency and duration. CPU seconds
+PYTHONPATH; zeus_async uses its ``nvml`` backend, exactly the code that runs on real GPUs), with the same GPU count, cadence, per-call NVML latency and duration. CPU seconds
 are user+system time of the measuring process *and all its children* (Zeus polls from spawned
 processes), split into
 
@@ -91,7 +91,7 @@ def worker(kind: str, gpus: int, period: float, duration: float, fields: str) ->
                 )
             }
         c0, w0 = _cpu_all_including_reaped(), time.perf_counter()
-        rt = EmbeddedRuntime(backend="sim", cpus=None, period_s=period, fields=field_map)
+        rt = EmbeddedRuntime(backend="nvml", cpus=None, period_s=period, fields=field_map)
         rt.start()
         assert rt.runtime is not None
         c1_tree = _cpu_tree()
@@ -122,9 +122,19 @@ def worker(kind: str, gpus: int, period: float, duration: float, fields: str) ->
 def run_worker(
     python: str, kind: str, gpus: int, period: float, duration: float, fields: str, latency: float
 ) -> dict[str, Any]:
+    from zeus_async.devices.sim import SimConfig
+    from zeus_async.devices.sim_workload import RandomWorkload
     from zeus_async.testing.sim_pynvml import shim_env
 
-    config = {"num_gpus": gpus, "call_latency_s": latency, "seed": 1}
+    # Varying power (and a little noise) so Zeus's de-duplication of equal readings does not
+    # make its job artificially cheap.
+    config = SimConfig(
+        num_gpus=gpus,
+        call_latency_s=latency,
+        seed=1,
+        power_noise_w=3.0,
+        workload=RandomWorkload(seg_min_s=0.05, seg_max_s=0.5),
+    )
     env = {**os.environ, **shim_env(config)}
     cmd = [python, __file__, "--worker", kind, "--gpus", str(gpus), "--period", str(period)]
     cmd += ["--duration", str(duration), "--fields", fields]
@@ -167,7 +177,11 @@ def main() -> None:
     )
     print("| monitor | GPUs x fields | samples | startup CPU s | steady CPU s | total CPU s |")
     print("|---|---|---:|---:|---:|---:|")
-    for name, r in (("Zeus 0.16 PowerMonitor", z), ("zeus_async Runtime", o), ("zeus_async Runtime", o8)):
+    for name, r in (
+        ("Zeus 0.16 PowerMonitor", z),
+        ("zeus_async Runtime", o),
+        ("zeus_async Runtime", o8),
+    ):
         print(
             f"| {name} | {r['gpus']} x {r['fields']} | {r['samples']} | {r['startup_cpu_s']:.3f} "
             f"| {r['steady_cpu_s']:.3f} | {r['total_cpu_s']:.3f} |"

@@ -70,26 +70,52 @@ class Hub:
     def consumer_count(self) -> int:
         return len(self._consumers)
 
-    async def publish(self, event: Event) -> None:
-        """Deliver one event to every sink and consumer, waiting on full consumer buffers."""
+    def try_publish(self, event: Event) -> int:
+        """Deliver without waiting as far as possible (the samplers' fast path).
+
+        Returns ``-1`` when every sink and consumer got the event, else the index of the first
+        consumer whose buffer is full; the caller must then ``await resume(event, index)``,
+        which waits for that consumer and delivers to the rest. No coroutine is created on
+        the fast path.
+        """
         self.stats.events += 1
         for sink in self._sinks:
             self._call_sink(sink, event)
-        dead: list[MemoryObjectSendStream[Event]] | None = None
-        for stream in self._consumers:
+        return self._deliver(event, 0)
+
+    async def resume(self, event: Event, index: int) -> None:
+        """Finish a delivery that :meth:`try_publish` left at consumer ``index``."""
+        while index >= 0:
+            if index >= len(self._consumers):
+                return
+            stream = self._consumers[index]
+            self.stats.consumer_waits += 1
             try:
-                stream.send_nowait(event)
-            except anyio.WouldBlock:
-                self.stats.consumer_waits += 1
-                try:
-                    await stream.send(event)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    dead = [*(dead or []), stream]
+                await stream.send(event)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                dead = [*(dead or []), stream]
-        if dead:
-            for stream in dead:
                 self._consumers.remove(stream)
+                index -= 1
+            index = self._deliver(event, index + 1)
+
+    def _deliver(self, event: Event, start: int) -> int:
+        consumers = self._consumers
+        i = start
+        while i < len(consumers):
+            try:
+                consumers[i].send_nowait(event)
+            except anyio.WouldBlock:
+                return i
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                del consumers[i]
+                continue
+            i += 1
+        return -1
+
+    async def publish(self, event: Event) -> None:
+        """Deliver one event to every sink and consumer, waiting on full consumer buffers."""
+        index = self.try_publish(event)
+        if index >= 0:
+            await self.resume(event, index)
 
     def _call_sink(self, sink: Sink, event: Event) -> None:
         try:

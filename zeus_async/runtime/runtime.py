@@ -123,17 +123,24 @@ class Runtime:
         self.publisher: Any | None = None
         self._stack: AsyncExitStack | None = None
         self._tg: TaskGroup | None = None
-        self._sampler_scope = anyio.CancelScope()
-        self._samplers_done = anyio.Event()
-        self._consumer_scope = anyio.CancelScope()
+        # Created on entry: anyio primitives need the running event loop.
+        self._sampler_scope: anyio.CancelScope
+        self._samplers_done: anyio.Event
+        self._consumer_scope: anyio.CancelScope
+        self._consumers_done: anyio.Event
         self._consumers_running = 0
-        self._consumers_done = anyio.Event()
         self._owns_devices = devices is None
         self._initial_consumers = list(consumers)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def __aenter__(self) -> Runtime:
+        if self._stack is not None:
+            raise RuntimeError("a Runtime can be entered only once")
+        self._sampler_scope = anyio.CancelScope()
+        self._samplers_done = anyio.Event()
+        self._consumer_scope = anyio.CancelScope()
+        self._consumers_done = anyio.Event()
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:
@@ -236,15 +243,17 @@ class Runtime:
     ) -> None:
         try:
             with self._sampler_scope:
+                origin = self.clock.monotonic_ns()
                 async with anyio.create_task_group() as tg:
                     for device in self.devices:
                         sampler = Sampler(
                             device,
-                            self.hub.publish,
+                            self.hub,
                             self.clock,
                             host=self.host,
                             period_s=self.period_s,
                             fields=self._fields_for(device),
+                            grid_origin_ns=origin,
                         )
                         self.samplers.append(sampler)
                         await tg.start(sampler.run)
