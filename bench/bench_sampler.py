@@ -1,9 +1,10 @@
 """Sampler CPU cost: zeus_async's runtime vs Zeus 0.16 ``PowerMonitor`` on the same simulated GPUs.
 
-Both run in fresh subprocesses whose ``pynvml`` is zeus_async's simulator (through the shim on
-PYTHONPATH; zeus_async uses its ``nvml`` backend, exactly the code that runs on real GPUs), with the same GPU count, cadence, per-call NVML latency and duration. CPU seconds
-are user+system time of the measuring process *and all its children* (Zeus polls from spawned
-processes), split into
+Both run in fresh subprocesses whose ``pynvml`` is zeus_async's simulator (through the shim
+on PYTHONPATH; zeus_async uses its ``nvml`` backend, the code that runs on real GPUs), with
+the same GPU count, cadence, per-call NVML latency and duration. CPU seconds are user+system
+time of the measuring process *and all its children* (Zeus polls from spawned processes),
+split into
 
 * startup: from before constructing the monitor until it is sampling (imports excluded);
 * steady: the sampling interval itself (the cost that grows with run length);

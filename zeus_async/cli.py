@@ -239,6 +239,10 @@ def format_event(event: Event) -> str:
     kind = data.pop("kind")
     host = data.pop("host", "")
     data.pop("t_ns", None)
+    if kind == "stream":
+        devices = data.pop("devices", [])
+        data["devices"] = ",".join(str(d.get("key")) for d in devices) or "none"
+        data.pop("argv", None)
     parts = [f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in data.items()]
     return f"{kind:<12}{host} " + " ".join(p for p in parts if not p.endswith("=None"))
 

@@ -102,11 +102,19 @@ async def test_a_slow_device_moves_to_a_worker_thread() -> None:
         events.append(e)
 
     gpu = ScriptedGpu(0, clock, read_cost_s=0.006)
-    sampler = Sampler(gpu, publish, clock, host="h", period_s=0.01, fields={"power_w": None})
-    await run_for(clock, 0.05, sampler)
-    # The first read (6 ms > 5 ms) moved the device off the loop; later reads still arrive.
-    assert sampler.stats.offloaded
-    assert len(events) >= 2
+    sampler = Sampler(
+        gpu,
+        publish,
+        clock,
+        host="h",
+        period_s=0.01,
+        fields={"power_w": None},
+        offload_after_s=0.005,
+    )
+    await run_for(clock, 0.025, sampler)
+    # Reads at 0, 10, 20 ms; the third slow read (6 ms > 5 ms) moved the device off the loop.
+    assert sampler.stats.slow_reads == 3 and sampler.stats.offloaded
+    assert len(events) >= 3
 
 
 async def test_fault_becomes_event_backs_off_and_recovers() -> None:

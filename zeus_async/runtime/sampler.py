@@ -8,9 +8,10 @@ Each field has its own period, a whole multiple of the base period (e.g. power e
 temperature every 500 ms); a tick reads only the fields due on it.
 
 Reads run inline on the event loop thread: a device read costs microseconds (one NVML call per
-GPU per tick for power), far less than handing it to a worker thread. A device whose read ever
-takes longer than ``offload_after_s`` is moved to a worker thread for good, so a slow or hung
-driver call cannot stall the other samplers or window edges.
+GPU per tick for power), far less than handing it to a worker thread. A device whose reads take
+longer than ``offload_after_s`` three times is moved to a worker thread for good, so a slow or
+hung driver call cannot keep stalling the other samplers or window edges (one slow read can be
+the process being descheduled, so it is not enough on its own).
 
 A :class:`~zeus_async.errors.DeviceError` becomes a :class:`~zeus_async.events.DeviceFault`
 event; the device then backs off (exponentially, capped) and retries while the others keep
@@ -59,14 +60,17 @@ logger = logging.getLogger(__name__)
 
 Publish = Callable[[Event], Awaitable[None]]
 
+_SLOW_READS_BEFORE_OFFLOAD = 3
+
 
 class SamplerStats:
     """Counters of one sampler."""
 
-    __slots__ = ("errors", "missed_ticks", "offloaded", "reads")
+    __slots__ = ("errors", "missed_ticks", "offloaded", "reads", "slow_reads")
 
     def __init__(self) -> None:
         self.reads = 0
+        self.slow_reads = 0
         self.missed_ticks = 0
         self.errors = 0
         self.offloaded = False
@@ -117,7 +121,7 @@ class Sampler:
         period_s: Base period.
         fields: Field name to period (``None`` = base period); fields the device lacks are
             ignored.
-        offload_after_s: A read slower than this moves the device to a worker thread.
+        offload_after_s: Three reads slower than this move the device to a worker thread.
         backoff_s: ``(first, max)`` delay before retrying a failed device.
         grid_origin_ns: Monotonic time the deadline grid is anchored to. Samplers of one
             runtime share it, so devices with the same period wake in the same loop turn
@@ -133,7 +137,7 @@ class Sampler:
         host: str,
         period_s: float,
         fields: Mapping[str, float | None],
-        offload_after_s: float = 0.005,
+        offload_after_s: float = 0.02,
         backoff_s: tuple[float, float] = (0.1, 5.0),
         grid_origin_ns: int | None = None,
     ) -> None:
@@ -193,7 +197,7 @@ class Sampler:
                     t0 = clock.monotonic_ns()
                     events = device.read(due, host, clock.wall_ns())
                     if clock.monotonic_ns() - t0 > offload_after:
-                        self._offload()
+                        self._slow_read()
             except DeviceError as exc:
                 failures += 1
                 stats.errors += 1
@@ -232,11 +236,16 @@ class Sampler:
                 deadline = start + tick * period
             await sleep_until(deadline)
 
-    def _offload(self) -> None:
+    def _slow_read(self) -> None:
+        self.stats.slow_reads += 1
+        if self.stats.slow_reads < _SLOW_READS_BEFORE_OFFLOAD:
+            logger.debug("%s: slow read (%d)", self.device.key, self.stats.slow_reads)
+            return
         self.stats.offloaded = True
         logger.warning(
-            "%s: a read took over %.1f ms; reading this device on a worker thread from now on",
+            "%s: %d reads took over %.1f ms; reading this device on a worker thread from now on",
             self.device.key,
+            self.stats.slow_reads,
             self._offload_after_ns / 1e6,
         )
 

@@ -1,0 +1,121 @@
+"""Publisher and subscriber processes for the multi-process bus tests.
+
+``python bus_procs.py pub ENDPOINT FLOOD_FRAMES BATCH``
+    Binds, prints ``bound``; on the stdin line ``go`` publishes FLOOD_FRAMES frames of BATCH
+    events as fast as it can (event ``i`` has ``t_ns == i``), then one trailer event every 20 ms
+    until the stdin line ``stop``; prints its stats as JSON and exits.
+
+``python bus_procs.py sub ENDPOINT TOPIC FLOOD_FRAMES BATCH``
+    A deliberately slow subscriber (RCVHWM 2, 2 ms per frame): prints ``ready`` after the
+    handshake, reads until the first trailer, prints what it received and what it counted as
+    lost as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import anyio
+
+from zeus_async.bus import Publisher, Subscriber
+from zeus_async.events import GpuSample
+
+
+def _event(i: int) -> GpuSample:
+    return GpuSample(host="mp", t_ns=i, gpu=0, power_w=float(i))
+
+
+async def publisher(endpoint: str, flood_frames: int, batch: int) -> None:
+    pub = Publisher(
+        endpoint,
+        host="mp",
+        sndhwm=2,
+        max_batch_events=batch,
+        flush_interval_s=0,
+        heartbeat_s=3600,
+    )
+    stop = anyio.Event()
+
+    async def read_stdin() -> None:
+        while True:
+            line = await anyio.to_thread.run_sync(sys.stdin.readline)
+            if line.strip() in ("stop", ""):
+                stop.set()
+                return
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(pub.run)
+        print("bound", flush=True)
+        await anyio.to_thread.run_sync(sys.stdin.readline)  # "go"
+        tg.start_soon(read_stdin)
+        for f in range(flood_frames):
+            pub.publish_many([_event(f * batch + k) for k in range(batch)])
+            await anyio.lowlevel.checkpoint()  # the socket task sends the full batch
+        i = flood_frames * batch
+        while not stop.is_set():
+            pub.publish(_event(i))
+            i += 1
+            with anyio.move_on_after(0.02):
+                await stop.wait()
+        tg.cancel_scope.cancel()
+    s = pub.stats
+    print(
+        json.dumps(
+            {
+                "frames_sent": s.frames_sent,
+                "events_sent": s.events_sent,
+                "frames_dropped_local": s.frames_dropped_local,
+                "trailers": i - flood_frames * batch,
+            }
+        ),
+        flush=True,
+    )
+
+
+async def subscriber(endpoint: str, topic: str, flood_frames: int, batch: int) -> None:
+    flood_events = flood_frames * batch
+    async with Subscriber(endpoint, topics=[topic], rcvhwm=2) as sub:
+        await sub.wait_ready(timeout=30)
+        print("ready", flush=True)
+        flood_frames_got = trailer_frames = data_events = 0
+        last = -1
+        async for frame in sub.frames():
+            samples = [e for e in frame.events if isinstance(e, GpuSample)]
+            if not samples:
+                continue
+            if samples[0].t_ns < flood_events:
+                flood_frames_got += 1
+            else:
+                trailer_frames += 1
+            data_events += len(samples)
+            last = samples[-1].t_ns
+            if last >= flood_events:
+                break  # the first trailer
+            await anyio.sleep(0.002)  # slow consumer: ZeroMQ must drop
+        print(
+            json.dumps(
+                {
+                    "flood_frames": flood_frames_got,
+                    "trailer_frames": trailer_frames,
+                    "data_events": data_events,
+                    "last_index": last,
+                    "frames_received": sub.stats.frames_received,
+                    "frames_lost": sub.stats.frames_lost,
+                    "decode_errors": sub.stats.decode_errors,
+                }
+            ),
+            flush=True,
+        )
+
+
+def main() -> None:
+    role, endpoint, *rest = sys.argv[1:]
+    if role == "pub":
+        anyio.run(publisher, endpoint, int(rest[0]), int(rest[1]))
+    else:
+        anyio.run(subscriber, endpoint, rest[0], int(rest[1]), int(rest[2]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Publisher and subscriber in two real processes, with a subscriber too slow to keep up.
+
+ZeroMQ drops frames at the high-water marks (SNDHWM 2, RCVHWM 2). Ground truth comes from the
+events' content (event ``i`` has ``t_ns == i``), independent of the sequence numbers: when the
+subscriber stops at the first trailer it received (index ``N + k``), the publisher had published
+exactly ``D + k + 1`` data frames up to it, and the subscriber must report
+``frames_lost == D + k + 1 - data frames received``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("bus_procs.py")
+FLOOD_FRAMES = 400
+BATCH = 50
+TIMEOUT = 30
+
+
+class Proc:
+    """A child process whose stdout lines are read by a thread (readline with a timeout)."""
+
+    def __init__(self, *args: str) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.p = subprocess.Popen(
+            [sys.executable, str(SCRIPT), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.p.stdout is not None
+        for line in self.p.stdout:
+            self.lines.put(line.strip())
+        self.lines.put("<eof>")
+
+    def readline(self) -> str:
+        try:
+            return self.lines.get(timeout=TIMEOUT)
+        except queue.Empty:
+            raise AssertionError(f"no output from {self.p.args} within {TIMEOUT} s") from None
+
+    def send(self, line: str) -> None:
+        assert self.p.stdin is not None
+        self.p.stdin.write(line + "\n")
+        self.p.stdin.flush()
+
+    def json(self) -> dict[str, Any]:
+        line = self.readline()
+        try:
+            result: dict[str, Any] = json.loads(line)
+        except json.JSONDecodeError:
+            raise AssertionError(f"expected JSON, got {line!r}") from None
+        return result
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait(TIMEOUT)
+
+
+@pytest.mark.parametrize("topic", ["", "gpu/"], ids=["all-topics", "topic-filtered"])
+def test_slow_subscriber_reports_exactly_what_was_lost(topic: str, tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/mp.sock"
+    if len(endpoint) > 100:  # sun_path limit
+        endpoint = f"ipc:///tmp/zb-mp-{os.getpid()}-{topic.strip('/') or 'all'}.sock"
+    pub = Proc("pub", endpoint, str(FLOOD_FRAMES), str(BATCH))
+    sub = None
+    try:
+        assert pub.readline() == "bound"
+        sub = Proc("sub", endpoint, topic, str(FLOOD_FRAMES), str(BATCH))
+        assert sub.readline() == "ready"  # handshake done: the flood cannot be lost to it
+        pub.send("go")
+        got = sub.json()
+        pub.send("stop")
+        sent = pub.json()
+    finally:
+        pub.close()
+        if sub is not None:
+            sub.close()
+
+    flood_events = FLOOD_FRAMES * BATCH
+    k = got["last_index"] - flood_events  # the subscriber stopped at trailer k
+    assert k >= 0
+    published = FLOOD_FRAMES + k + 1  # data frames published up to and including trailer k
+    assert got["decode_errors"] == 0
+    assert got["frames_lost"] > 0, "the slow subscriber should have lost frames"
+    received = got["flood_frames"] + got["trailer_frames"]
+    assert got["frames_lost"] == published - received
+    assert got["frames_lost"] == (FLOOD_FRAMES - got["flood_frames"]) + (
+        k + 1 - got["trailer_frames"]
+    )
+    assert got["data_events"] == got["flood_frames"] * BATCH + got["trailer_frames"]
+    # The publisher handed every frame to ZeroMQ: all drops happened in transit.
+    assert sent["frames_dropped_local"] == 0
+    assert sent["trailers"] >= k + 1
+    assert sent["events_sent"] >= flood_events + k + 1

@@ -1,0 +1,103 @@
+"""CLI smoke tests: real ``python -m zeus_async`` subprocesses, and argument errors."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from zeus_async.cli import main
+
+PY = sys.executable
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("ZEUS_ASYNC_SIM", None)
+    return subprocess.run(
+        [PY, "-m", "zeus_async", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
+
+
+def test_monitor_runs_on_the_simulator_and_prints_totals() -> None:
+    proc = run_cli("monitor", "--backend", "sim", "--duration", "1.2", "--refresh", "0.5")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "backend sim, 4 device(s)" in out
+    assert out.count("gpu:3") >= 3  # two table refreshes and the totals
+    totals = out.split("Totals")[1]
+    rows = [line.split() for line in totals.strip().splitlines()[1:]]
+    gpu_rows = {r[0]: r for r in rows if r[0].startswith("gpu:")}
+    assert set(gpu_rows) == {"gpu:0", "gpu:1", "gpu:2", "gpu:3"}
+    for row in gpu_rows.values():
+        energy, seconds, mean_w = float(row[1]), float(row[2]), float(row[3])
+        assert 1.0 < seconds < 1.4
+        assert 70.0 <= mean_w <= 700.0  # between idle and the power limit
+        assert energy == pytest.approx(mean_w * seconds, rel=0.01)
+        assert row[4] == "counter+interpolated"
+    assert "Traceback" not in proc.stderr
+
+
+def test_monitor_selects_gpus() -> None:
+    proc = run_cli("monitor", "--backend", "sim", "--gpus", "1,2", "--duration", "0.6")
+    assert proc.returncode == 0, proc.stderr
+    assert "2 device(s)" in proc.stdout and "gpu:0" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["monitor", "--period", "-1"], "positive number of seconds"),
+        (["monitor", "--gpus", "a,b"], "comma-separated integers"),
+        (["monitor", "--backend", "rocm"], "invalid choice"),
+        (["proxy", "--out", "tcp://127.0.0.1:1"], "required"),
+    ],
+)
+def test_bad_arguments_give_one_clear_line(args: list[str], message: str) -> None:
+    proc = run_cli(*args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_monitor_nvml_without_driver_is_one_line() -> None:
+    proc = run_cli("monitor", "--backend", "nvml", "--duration", "0.5")
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zeus-async monitor:"), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_monitor_gpu_index_out_of_range() -> None:
+    proc = run_cli("monitor", "--backend", "sim", "--gpus", "9", "--duration", "0.5")
+    assert proc.returncode == 1
+    assert "9" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_no_command_prints_help() -> None:
+    out = io.StringIO()
+    assert main([], out=out) == 2
+    assert "monitor" in out.getvalue()
+
+
+def test_bad_sim_config_is_reported() -> None:
+    proc = run_cli("monitor", "--backend", "sim", "--sim-config", '{"num_gpus": -3}')
+    assert proc.returncode == 1
+    assert "invalid --sim-config" in proc.stderr
+
+
+def test_events_serialize_to_json_objects() -> None:
+    from zeus_async.events import GpuSample, event_to_dict
+
+    data = event_to_dict(GpuSample("h", 5, 1, power_w=10.5))
+    assert json.loads(json.dumps(data))["kind"] == "gpu"
+    assert data["power_w"] == 10.5 and data["gpu"] == 1

@@ -1,0 +1,55 @@
+"""The runnable examples keep running (real subprocesses, simulated GPUs)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "ZEUS_ASYNC_SIM"}
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=90, env=env, check=False
+    )
+
+
+def test_embedded_training_example() -> None:
+    port = _free_port()
+    proc = _run(
+        str(EXAMPLES / "embedded_training.py"),
+        "--steps",
+        "30",
+        "--publish",
+        f"tcp://127.0.0.1:{port}",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "sampling 4 device(s) (sim)" in proc.stdout
+    assert "all GPUs" in proc.stdout
+
+
+def test_subscriber_example_against_a_spawned_monitor() -> None:
+    port = _free_port()
+    proc = _run(
+        str(EXAMPLES / "subscriber.py"),
+        f"tcp://127.0.0.1:{port}",
+        "--spawn-monitor",
+        "--seconds",
+        "1.6",
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("connected to")
+    assert any("gpu0:" in line and "gpu3:" in line for line in lines[1:-1]), lines
+    received, lost = lines[-1].removeprefix("frames received ").split(", lost ")
+    assert int(received) > 100 and int(lost) == 0
