@@ -101,3 +101,72 @@ def test_events_serialize_to_json_objects() -> None:
     data = event_to_dict(GpuSample("h", 5, 1, power_w=10.5))
     assert json.loads(json.dumps(data))["kind"] == "gpu"
     assert data["power_w"] == 10.5 and data["gpu"] == 1
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _popen(*args: str) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k != "ZEUS_ASYNC_SIM"}
+    env["PYTHONUNBUFFERED"] = "1"
+    return subprocess.Popen(
+        [PY, "-m", "zeus_async", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def test_ctrl_c_prints_totals() -> None:
+    import signal
+
+    proc = _popen("monitor", "--backend", "sim", "--refresh", "0.2")
+    assert proc.stdout is not None
+    # Wait until the table is live (first refresh printed), then interrupt.
+    for line in proc.stdout:
+        if line.startswith("gpu:3"):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "Totals" in out and "all GPUs" in out
+    assert "Traceback" not in err
+
+
+def test_proxy_aggregates_two_monitors_for_one_subscriber() -> None:
+    a, b, out = _free_port(), _free_port(), _free_port()
+    mons = [
+        _popen("monitor", "--backend", "sim", "--gpus", "0", "--publish", f"tcp://127.0.0.1:{p}")
+        for p in (a, b)
+    ]
+    proxy = _popen(
+        "proxy",
+        "--in",
+        f"tcp://127.0.0.1:{a}",
+        f"tcp://127.0.0.1:{b}",
+        "--out",
+        f"tcp://127.0.0.1:{out}",
+    )
+    try:
+        # Two subscribers, one after the other: the second must pass the readiness handshake
+        # too, although the proxy already holds the upstream subscriptions.
+        for _ in range(2):
+            sub = run_cli("subscribe", f"tcp://127.0.0.1:{out}", "--json", "--duration", "2.5")
+            assert sub.returncode == 0, sub.stderr
+            events = [json.loads(line) for line in sub.stdout.splitlines()]
+            gpu = [e for e in events if e["kind"] == "gpu"]
+            streams = {e["stream_id"] for e in events if e["kind"] in ("stream", "heartbeat")}
+            assert len(gpu) > 100
+            assert len(streams) == 2, streams  # both monitors' streams arrive through the proxy
+            assert "lost" not in sub.stderr
+    finally:
+        for p in (*mons, proxy):
+            p.terminate()
+        for p in (*mons, proxy):
+            p.communicate(timeout=30)

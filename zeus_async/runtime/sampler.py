@@ -20,13 +20,13 @@ sampling.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import anyio
-import sniffio
 from anyio.abc import TaskStatus
 
 from ..clock import Clock, RealClock
@@ -43,10 +43,12 @@ def _fast_sleeper(clock: Clock) -> Callable[[int], Awaitable[None]]:
 
     anyio's generic sleep adds a few layers per call; at 100 Hz per device that is measurable.
     """
-    if not isinstance(clock, RealClock) or sniffio.current_async_library() != "asyncio":
+    if not isinstance(clock, RealClock):
         return clock.sleep_until
-    import asyncio
-
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # not on asyncio (trio)
+        return clock.sleep_until
     monotonic_ns = time.monotonic_ns
 
     def sleep_until(deadline_ns: int) -> Awaitable[None]:
