@@ -20,14 +20,15 @@ import os
 import socket
 import sys
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
 from typing import Any
 
 import anyio
 from anyio.abc import ObjectReceiveStream, TaskGroup, TaskStatus
 
+from ..aggregate.windows import WindowResult, WindowTracker
 from ..clock import Clock, RealClock
 from ..devices import OpenedDevices, open_devices
 from ..devices.base import Device
@@ -36,7 +37,7 @@ from ..events import Event, StreamInfo
 from .hub import Hub
 from .sampler import Sampler
 
-__all__ = ["DEFAULT_GPU_FIELDS", "Runtime"]
+__all__ = ["DEFAULT_GPU_FIELDS", "Runtime", "WindowHandle"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,16 @@ DEFAULT_GPU_FIELDS: Mapping[str, float | None] = {
 }
 
 Consumer = Callable[[ObjectReceiveStream[Event]], Awaitable[None]]
+
+
+class WindowHandle:
+    """What ``async with runtime.window(name) as w`` yields; ``w.result`` is set on exit."""
+
+    __slots__ = ("name", "result")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.result: WindowResult | None = None
 
 
 class Runtime:
@@ -77,6 +88,9 @@ class Runtime:
         shutdown_timeout_s: Bound on the orderly shutdown (draining consumers, flushing).
         consumers: Coroutine functions started (see :meth:`start_consumer`) before the first
             event is published, so they see the whole stream.
+        windows: Keep device histories for measurement windows (:meth:`window`,
+            :attr:`tracker`); costs a few microseconds per sample, so it is opt-in.
+        finalize_timeout_s: Bound on how long a window's energy waits for post-edge data.
         rapl_root: powercap sysfs root.
     """
 
@@ -96,6 +110,8 @@ class Runtime:
         shutdown_timeout_s: float = 2.0,
         rapl_root: str = "/sys/class/powercap",
         consumers: Sequence[Consumer] = (),
+        windows: bool = False,
+        finalize_timeout_s: float = 0.5,
     ) -> None:
         if not period_s > 0:
             raise ConfigError(f"period_s must be positive, got {period_s!r}")
@@ -126,11 +142,14 @@ class Runtime:
         # Created on entry: anyio primitives need the running event loop.
         self._sampler_scope: anyio.CancelScope
         self._samplers_done: anyio.Event
-        self._consumer_scope: anyio.CancelScope
+        self._consumer_scopes: list[anyio.CancelScope] = []
         self._consumers_done: anyio.Event
         self._consumers_running = 0
         self._owns_devices = devices is None
         self._initial_consumers = list(consumers)
+        self._windows = windows
+        self._finalize_timeout_s = finalize_timeout_s
+        self.tracker: WindowTracker | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -139,7 +158,6 @@ class Runtime:
             raise RuntimeError("a Runtime can be entered only once")
         self._sampler_scope = anyio.CancelScope()
         self._samplers_done = anyio.Event()
-        self._consumer_scope = anyio.CancelScope()
         self._consumers_done = anyio.Event()
         stack = AsyncExitStack()
         await stack.__aenter__()
@@ -148,12 +166,25 @@ class Runtime:
             stack.callback(self._close_devices)
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             self._stack = stack
+            if self._windows:
+                self.tracker = WindowTracker(
+                    self.clock,
+                    self.host,
+                    [d.describe() for d in self.devices],
+                    publish=self.publish_nowait,
+                    finalize_timeout_s=self._finalize_timeout_s,
+                )
+                self.start_consumer(self.tracker.run, max_buffer=16384)
             for consumer in self._initial_consumers:
                 self.start_consumer(consumer)
             if self._publish_arg is not None:
                 await self._start_publisher(self._tg)
             await self.hub.publish(self.stream_info())
             await self._tg.start(self._run_samplers)
+            if self.tracker is not None and self.devices:
+                # Ready for windows once every energy counter has moved once (≤ one counter
+                # period): a window opened right away then has an exact anchor before it.
+                await self.tracker.wait_primed(self._finalize_timeout_s)
         except BaseException:
             self._sampler_scope.cancel()
             await stack.__aexit__(*sys.exc_info())
@@ -180,7 +211,8 @@ class Runtime:
                         self._consumers_running,
                         self._shutdown_timeout_s,
                     )
-            self._consumer_scope.cancel()
+            for scope in self._consumer_scopes:
+                scope.cancel()
             self._tg.cancel_scope.cancel()
         return await self._stack.__aexit__(exc_type, exc, tb)
 
@@ -276,6 +308,31 @@ class Runtime:
         """Inject an event (window edges, optimizer decisions, replayed events)."""
         await self.hub.publish(event)
 
+    def publish_nowait(self, event: Event) -> None:
+        """Publish from the runtime's thread without awaiting (a task finishes it if needed)."""
+        index = self.hub.try_publish(event)
+        if index >= 0 and self._tg is not None:
+            self._tg.start_soon(self.hub.resume, event, index)
+
+    @asynccontextmanager
+    async def window(self, name: str, *, restart: bool = False) -> AsyncIterator[WindowHandle]:
+        """Measure the block as window ``name``: ``async with rt.window("step") as w: ...``.
+
+        On exit ``w.result`` holds the :class:`~zeus_async.aggregate.WindowResult`; await
+        ``w.result.wait_async()`` for the final figures. Needs ``Runtime(windows=True)``.
+        An exception inside the block cancels the window.
+        """
+        if self.tracker is None:
+            raise RuntimeError("measurement windows need Runtime(windows=True)")
+        handle = WindowHandle(name)
+        self.tracker.open(name, restart=restart)
+        try:
+            yield handle
+        except BaseException:
+            self.tracker.close(name, cancel=True)
+            raise
+        handle.result = self.tracker.close(name)
+
     def start_consumer(self, consumer: Consumer, *, max_buffer: int = 4096) -> None:
         """Run ``consumer(stream)`` as a task of the runtime.
 
@@ -289,9 +346,12 @@ class Runtime:
             self._consumers_done = anyio.Event()
         self._consumers_running += 1
 
+        scope = anyio.CancelScope()
+        self._consumer_scopes.append(scope)
+
         async def run() -> None:
             try:
-                with self._consumer_scope:
+                with scope:
                     async with stream:
                         await consumer(stream)
             finally:

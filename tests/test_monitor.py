@@ -1,0 +1,157 @@
+"""The synchronous Monitor facade on simulated GPUs (real clock, short windows)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from zeus_async import Monitor
+from zeus_async.devices.sim import SimConfig
+from zeus_async.devices.sim_config import GpuOverride
+from zeus_async.devices.sim_workload import ConstantWorkload
+from zeus_async.testing import sim_pynvml
+
+
+@pytest.fixture
+def monitor() -> Iterator[Monitor]:
+    config = SimConfig(num_gpus=2, workload=ConstantWorkload(util=0.5), seed=1)
+    mon = Monitor(backend="sim", cpu_indices=[], sim_config=config)
+    try:
+        yield mon
+    finally:
+        mon.close()
+        sim_pynvml.uninstall()
+
+
+def test_window_measures_time_and_energy(monitor: Monitor) -> None:
+    node = sim_pynvml.current_node()
+    assert node is not None
+    monitor.begin_window("w")
+    time.sleep(0.3)
+    result = monitor.end_window("w")
+    assert result.time == pytest.approx(0.3, abs=0.05)
+    m = result.wait(timeout=2)
+    assert set(m.gpu_energy_j) == {0, 1}
+    for gpu in (0, 1):
+        truth = node.truth_energy_j(gpu, m.start_ns, m.end_ns)
+        # Constant power: counter interpolation is exact up to the update-instant estimate.
+        assert m.gpu_energy_j[gpu] == pytest.approx(truth, rel=0.02)
+        assert m.methods[f"gpu:{gpu}"] == "counter+interpolated"
+    assert result.total_energy == pytest.approx(sum(m.gpu_energy_j.values()))
+    assert result.cpu_energy is None and result.dram_energy is None
+    assert monitor.open_windows == []
+
+
+def test_misuse_errors(monitor: Monitor) -> None:
+    monitor.begin_window("a")
+    with pytest.raises(ValueError, match="already open"):
+        monitor.begin_window("a")
+    monitor.begin_window("a", restart=True)
+    with pytest.raises(ValueError, match="no open measurement window 'b'"):
+        monitor.end_window("b")
+    cancelled = monitor.end_window("a", cancel=True)
+    assert cancelled.cancelled and cancelled.gpu_energy == {}
+    with pytest.raises(RuntimeError, match="push_window"):
+        monitor.pop_window()
+
+
+def test_nested_and_overlapping_windows(monitor: Monitor) -> None:
+    monitor.push_window()
+    monitor.begin_window("outer")
+    time.sleep(0.05)
+    monitor.push_window()
+    time.sleep(0.05)
+    inner = monitor.pop_window()
+    monitor.begin_window("overlap")
+    time.sleep(0.05)
+    outer = monitor.end_window("outer")
+    time.sleep(0.02)
+    overlap = monitor.end_window("overlap")
+    outermost = monitor.pop_window()
+    assert len(inner.energy) == 2 and all(e > 0 for e in inner.energy)
+    assert inner.time < outer.time < outermost.time
+    assert sum(outer.gpu_energy.values()) > sum(inner.energy)
+    assert sum(outermost.energy) > sum(outer.gpu_energy.values())
+    assert overlap.start_ns < outer.end_ns < overlap.end_ns
+
+
+def test_context_manager_and_exception_cancels(monitor: Monitor) -> None:
+    with monitor.window("ok") as w:
+        time.sleep(0.02)
+    assert w.result is not None and w.result.total_energy > 0
+    with pytest.raises(KeyError), monitor.window("boom"):
+        raise KeyError("x")
+    assert monitor.open_windows == []
+
+
+def test_windows_from_two_threads(monitor: Monitor) -> None:
+    results: dict[str, float] = {}
+
+    def worker(name: str) -> None:
+        for i in range(20):
+            monitor.begin_window(f"{name}-{i}", sync_execution=False)
+            time.sleep(0.002)
+            r = monitor.end_window(f"{name}-{i}", sync_execution=False)
+            results[f"{name}-{i}"] = r.time
+        results[f"{name}-last"] = r.total_energy
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 42 and results["a-last"] > 0 and results["b-last"] > 0
+    assert monitor.open_windows == []
+
+
+def test_gpu_lost_mid_window_is_reported() -> None:
+    now = time.time_ns()
+    config = SimConfig(
+        num_gpus=2, epoch_ns=now, gpus=(GpuOverride(), GpuOverride(lost_at_s=0.5)), seed=2
+    )
+    with Monitor(backend="sim", cpu_indices=[], sim_config=config) as mon:
+        mon.begin_window("w")
+        time.sleep(0.8)
+        m = mon.end_window("w").wait(timeout=3)
+    sim_pynvml.uninstall()
+    assert "gpu:1" in m.lost and "gpu:0" not in m.lost
+    assert m.gpu_energy_j[0] > 0
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_log_file(tmp_path: Path, suffix: str) -> None:
+    path = tmp_path / f"log{suffix}"
+    config = SimConfig(num_gpus=1, seed=3)
+    with Monitor(backend="sim", cpu_indices=[], sim_config=config, log_file=path) as mon:
+        for name in ("x", "y"):
+            mon.begin_window(name)
+            time.sleep(0.02)
+            mon.end_window(name).wait(timeout=2)
+        mon.begin_window("z")
+        mon.end_window("z", cancel=True)
+    sim_pynvml.uninstall()
+    text = path.read_text()
+    if suffix == ".csv":
+        rows = list(csv.DictReader(text.splitlines()))
+        assert [r["name"] for r in rows] == ["x", "y"]
+        assert float(rows[0]["gpu0_energy_j"]) > 0
+    else:
+        rows = [json.loads(line) for line in text.splitlines()]
+        assert [r["name"] for r in rows] == ["x", "y"] and rows[0]["kind"] == "measurement"
+
+
+def test_closed_monitor_refuses_windows() -> None:
+    mon = Monitor(backend="sim", cpu_indices=[], sim_config=SimConfig(num_gpus=1))
+    mon.close()
+    mon.close()
+    sim_pynvml.uninstall()
+    with pytest.raises(RuntimeError, match="closed"):
+        mon.begin_window("x")
+    with pytest.raises(ValueError, match="sync_execution_with"):
+        Monitor(sync_execution_with="jax")

@@ -1,0 +1,386 @@
+"""Measurement windows: time and energy between two edges, computed off the caller's thread.
+
+An edge (:meth:`WindowTracker.open` / :meth:`WindowTracker.close`) costs the caller a clock read
+and a ``deque.append`` — no NVML call, no I/O, no syscall. The runtime's thread keeps a
+:class:`~zeus_async.aggregate.history.DeviceHistory` per device and finalizes each closed window
+once the data that makes it exact has arrived: an energy-counter update after the window's end
+(GPUs since Volta), or a power sample after it (older GPUs). A :class:`WindowResult` is returned
+at once and its energy figures resolve within ``finalize_timeout_s`` of the window's end at the
+latest (default 0.5 s; with a 100 ms counter and 10 ms sampling, typically ~105 ms); a device that
+has not delivered by then is measured from what is there (method ``counter+extrapolated`` or
+``integrated``). Values never change once resolved.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+from anyio.abc import ObjectReceiveStream
+
+from ..clock import Clock
+from ..events import (
+    DeviceFault,
+    DeviceInfo,
+    Event,
+    GpuSample,
+    Measurement,
+    RaplSample,
+    WindowClose,
+    WindowOpen,
+)
+from .history import DeviceHistory, EnergyEstimate
+
+__all__ = ["EnergyEstimate", "WindowResult", "WindowTracker"]
+
+logger = logging.getLogger(__name__)
+
+_window_ids = itertools.count(1)
+
+
+class WindowResult:
+    """The outcome of one window; energy figures resolve shortly after the window ends.
+
+    ``time`` (seconds) is known at once. Reading any energy attribute blocks until the window
+    is finalized (bounded, see the module docstring); :meth:`done` tells without blocking, and
+    :meth:`wait` / :meth:`wait_async` wait explicitly.
+    """
+
+    __slots__ = ("_done", "_measurement", "cancelled", "end_ns", "name", "start_ns", "window_id")
+
+    def __init__(self, name: str, window_id: int, start_ns: int, end_ns: int) -> None:
+        self.name = name
+        self.window_id = window_id
+        self.start_ns = start_ns
+        self.end_ns = end_ns
+        self.cancelled = False
+        self._done = threading.Event()
+        self._measurement: Measurement | None = None
+
+    @property
+    def time(self) -> float:
+        """Window duration in seconds."""
+        return (self.end_ns - self.start_ns) / 1e9
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> Measurement:
+        """Block until finalized; returns the :class:`~zeus_async.events.Measurement` event."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"window {self.name!r} not finalized within {timeout} s")
+        assert self._measurement is not None
+        return self._measurement
+
+    async def wait_async(self) -> Measurement:
+        """Wait on the event loop (polls the thread-safe flag; finalization is ≤ 0.5 s away)."""
+        while not self._done.is_set():
+            await anyio.sleep(0.005)
+        assert self._measurement is not None
+        return self._measurement
+
+    def _resolve(self, measurement: Measurement) -> None:
+        self._measurement = measurement
+        self._done.set()
+
+    @property
+    def measurement(self) -> Measurement:
+        return self.wait()
+
+    @property
+    def gpu_energy(self) -> dict[int, float]:
+        """Joules per GPU index."""
+        return self.wait().gpu_energy_j
+
+    @property
+    def cpu_energy(self) -> dict[int, float] | None:
+        """Joules per CPU package (RAPL ``package`` domain), or ``None`` without RAPL."""
+        return self.wait().cpu_energy_j
+
+    @property
+    def dram_energy(self) -> dict[int, float] | None:
+        """Joules per CPU package (RAPL ``dram`` domain), or ``None`` when unavailable."""
+        return self.wait().dram_energy_j
+
+    @property
+    def total_energy(self) -> float:
+        """GPU + CPU + DRAM joules."""
+        m = self.wait()
+        total = sum(m.gpu_energy_j.values())
+        for part in (m.cpu_energy_j, m.dram_energy_j):
+            if part:
+                total += sum(part.values())
+        return total
+
+    @property
+    def methods(self) -> dict[str, str]:
+        """How each device's figure was obtained (``gpu:0`` → ``counter+interpolated``...)."""
+        return self.wait().methods
+
+    @property
+    def lost(self) -> list[str]:
+        """Devices that failed during the window."""
+        return self.wait().lost
+
+    def __repr__(self) -> str:
+        state = "cancelled" if self.cancelled else ("final" if self.done() else "pending")
+        return f"WindowResult({self.name!r}, time={self.time:.6f}, {state})"
+
+
+class _Closed:
+    __slots__ = ("deadline_ns", "result")
+
+    def __init__(self, result: WindowResult, deadline_ns: int) -> None:
+        self.result = result
+        self.deadline_ns = deadline_ns
+
+
+class WindowTracker:
+    """Keeps device histories from the event stream and finalizes windows.
+
+    Args:
+        clock: The runtime's clock (edges are stamped with ``clock.wall_ns()``).
+        host: Host id for the events it publishes.
+        devices: The runtime's devices (their ``describe()``), to know which exist.
+        publish: Non-blocking delivery of an event to the hub, called on the runtime's thread
+            (``Runtime.publish_nowait``); window edges and measurements go through it.
+        finalize_timeout_s: Bound on the wait for post-edge data.
+        history_s: How much history to keep beyond the oldest open window.
+    """
+
+    def __init__(
+        self,
+        clock: Clock,
+        host: str,
+        devices: Sequence[DeviceInfo],
+        *,
+        publish: Callable[[Event], Any] | None = None,
+        finalize_timeout_s: float = 0.5,
+        history_s: float = 30.0,
+    ) -> None:
+        self.clock = clock
+        self.host = host
+        self._publish = publish
+        self._timeout_ns = round(finalize_timeout_s * 1e9)
+        self._history_ns = round(history_s * 1e9)
+        self.histories: dict[str, DeviceHistory] = {}
+        self.gpu_indices: list[int] = []
+        self.cpu_packages: list[int] = []
+        for info in devices:
+            kind, _, num = info.key.partition(":")
+            if kind == "gpu":
+                self.gpu_indices.append(int(num))
+                self.histories[info.key] = DeviceHistory(info.key)
+            elif kind == "cpu":
+                self.cpu_packages.append(int(num))
+        self._open: dict[str, tuple[int, int]] = {}
+        self._open_lock = threading.Lock()
+        self._edges: collections.deque[Event] = collections.deque()
+        self._closed: list[_Closed] = []
+        self._closed_lock = threading.Lock()
+        self._short_warned = False
+
+    # -- edges (any thread) ---------------------------------------------------------------------
+
+    def open(self, name: str, *, restart: bool = False, t_ns: int | None = None) -> int:
+        """Open window ``name``; returns its id. Raises ``ValueError`` if already open."""
+        t = self.clock.wall_ns() if t_ns is None else t_ns
+        with self._open_lock:
+            if name in self._open:
+                if not restart:
+                    raise ValueError(
+                        f"measurement window {name!r} is already open; end it first, or pass "
+                        "restart=True to discard it and start again"
+                    )
+                _, old_id = self._open.pop(name)
+                self._edges.append(WindowClose(self.host, t, name, old_id, cancelled=True))
+                logger.info("window %r restarted", name)
+            window_id = next(_window_ids)
+            self._open[name] = (t, window_id)
+        self._edges.append(WindowOpen(self.host, t, name, window_id))
+        return window_id
+
+    def close(self, name: str, *, cancel: bool = False, t_ns: int | None = None) -> WindowResult:
+        """Close window ``name``; the result resolves on the runtime's thread."""
+        t = self.clock.wall_ns() if t_ns is None else t_ns
+        with self._open_lock:
+            try:
+                start, window_id = self._open.pop(name)
+            except KeyError:
+                known = ", ".join(repr(k) for k in self._open) or "none"
+                raise ValueError(
+                    f"no open measurement window {name!r} (open windows: {known})"
+                ) from None
+        self._edges.append(WindowClose(self.host, t, name, window_id, cancelled=cancel))
+        result = WindowResult(name, window_id, start, t)
+        if cancel:
+            result.cancelled = True
+            result._resolve(
+                Measurement(self.host, t, name, window_id, start, t, 0.0, gpu_energy_j={})
+            )
+            return result
+        with self._closed_lock:
+            self._closed.append(_Closed(result, t + self._timeout_ns))
+        return result
+
+    @property
+    def open_windows(self) -> list[str]:
+        with self._open_lock:
+            return list(self._open)
+
+    # -- the runtime side ----------------------------------------------------------------------
+
+    def _history(self, key: str, *, fine: bool = False) -> DeviceHistory:
+        history = self.histories.get(key)
+        if history is None:
+            history = self.histories[key] = DeviceHistory(key, fine_counter=fine)
+        return history
+
+    def add(self, event: Event) -> None:
+        """Account one event from the stream (runtime thread)."""
+        if isinstance(event, GpuSample):
+            if event.power_w is not None or event.energy_j is not None:
+                self._history(f"gpu:{event.gpu}").add(event.t_ns, event.power_w, event.energy_j)
+        elif isinstance(event, RaplSample):
+            if event.domain in ("package", "dram"):
+                self._history(f"cpu:{event.package}/{event.domain}", fine=True).add(
+                    event.t_ns, None, event.energy_j
+                )
+        elif isinstance(event, DeviceFault) and event.kind == "gpu_lost":
+            self._history(event.device).mark_lost(event.t_ns)
+
+    def pump(self, *, force: bool = False) -> None:
+        """Publish queued edge events and finalize every window whose data is complete.
+
+        ``force`` finalizes every closed window now, with whatever data there is (shutdown).
+        """
+        publish = self._publish
+        while self._edges:
+            edge = self._edges.popleft()
+            if publish is not None:
+                publish(edge)
+        if not self._closed:
+            return
+        now = self.clock.wall_ns()
+        with self._closed_lock:
+            ready = [
+                c for c in self._closed if force or now >= c.deadline_ns or self._complete(c.result)
+            ]
+            if ready:
+                self._closed = [c for c in self._closed if c not in ready]
+        for item in ready:
+            measurement = self._measure(item.result)
+            item.result._resolve(measurement)
+            if publish is not None:
+                publish(measurement)
+        if ready:
+            self._trim(now)
+
+    def _complete(self, result: WindowResult) -> bool:
+        for history in self.histories.values():
+            if history.lost_at_ns is not None and history.lost_at_ns <= result.end_ns:
+                continue
+            if not history.covers(result.end_ns):
+                return False
+        return True
+
+    def _measure(self, result: WindowResult) -> Measurement:
+        t0, t1 = result.start_ns, result.end_ns
+        gpu: dict[int, float] = {}
+        cpu: dict[int, float] = {}
+        dram: dict[int, float] = {}
+        methods: dict[str, str] = {}
+        lost: list[str] = []
+        for key, history in self.histories.items():
+            estimate = history.energy(t0, t1)
+            if history.lost_at_ns is not None and history.lost_at_ns <= t1:
+                lost.append(key)
+            if key.startswith("gpu:"):
+                methods[key] = estimate.method
+                if estimate.energy_j is not None:
+                    gpu[int(key[4:])] = estimate.energy_j
+            else:
+                pkg_key, _, domain = key.partition("/")
+                if estimate.energy_j is None:
+                    continue
+                methods[key] = estimate.method
+                target = cpu if domain == "package" else dram
+                target[int(pkg_key[4:])] = estimate.energy_j
+        if (
+            not self._short_warned
+            and t1 - t0 < 100_000_000
+            and any(m == "integrated" for m in methods.values())
+        ):
+            self._short_warned = True
+            logger.warning(
+                "window %r (%.1f ms) was measured from power samples only on some devices "
+                "(no energy counter there); such figures are less exact than counter-based ones",
+                result.name,
+                (t1 - t0) / 1e6,
+            )
+        return Measurement(
+            host=self.host,
+            t_ns=self.clock.wall_ns(),
+            name=result.name,
+            window_id=result.window_id,
+            start_ns=t0,
+            end_ns=t1,
+            time_s=(t1 - t0) / 1e9,
+            gpu_energy_j=gpu,
+            cpu_energy_j=cpu or None,
+            dram_energy_j=dram or None,
+            methods=methods,
+            lost=lost,
+        )
+
+    def _trim(self, now_ns: int) -> None:
+        with self._open_lock:
+            oldest = min((t for t, _ in self._open.values()), default=now_ns)
+        with self._closed_lock:
+            oldest = min([oldest, *(c.result.start_ns for c in self._closed)])
+        keep_from = min(oldest, now_ns - self._history_ns)
+        for history in self.histories.values():
+            history.trim_before(keep_from)
+
+    def primed(self) -> bool:
+        """Every GPU whose samples carry a counter has shown one update (an interpolation
+        anchor), and every other GPU has delivered a power sample."""
+        for key, history in self.histories.items():
+            if not key.startswith("gpu:") or history.lost_at_ns is not None:
+                continue
+            if history.last_t_ns is None:
+                return False
+            if history.has_counter and history.counter_updates == 0:
+                return False
+        return True
+
+    async def wait_primed(self, timeout_s: float) -> bool:
+        """Wait (bounded) until :meth:`primed`; windows opened before are measured partly
+        from power samples. Returns whether priming completed."""
+        with anyio.move_on_after(timeout_s):
+            while not self.primed():
+                await anyio.sleep(0.005)
+            return True
+        logger.info("windows: energy counters not primed within %.2f s", timeout_s)
+        return False
+
+    async def run(self, stream: ObjectReceiveStream[Event]) -> None:
+        """Consume the runtime's stream (use as a runtime consumer)."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._tick)
+            async for event in stream:
+                self.add(event)
+                self.pump()
+            tg.cancel_scope.cancel()
+        self.pump(force=True)
+
+    async def _tick(self) -> None:
+        # Finalizes windows on their deadline even when no event arrives (no device, GPU lost).
+        while True:
+            await anyio.sleep(0.02)
+            self.pump()

@@ -1,0 +1,288 @@
+"""``Monitor``: measurement windows for synchronous programs (training scripts, notebooks).
+
+The replacement for Zeus's ``ZeusMonitor`` and ``ZeusProfilingService``::
+
+    from zeus_async import Monitor
+
+    monitor = Monitor()                      # all GPUs, RAPL if readable, 10 ms sampling
+    monitor.begin_window("epoch")
+    train_one_epoch()
+    m = monitor.end_window("epoch")          # returns at once
+    print(m.time, m.gpu_energy, m.total_energy)   # energies resolve within ~0.1-0.5 s
+
+    with monitor.window("step") as w:        # or as a context manager
+        step()
+    print(w.result.total_energy)
+
+    monitor.push_window(); work(); res = monitor.pop_window()   # stack semantics
+
+Sampling runs on an :class:`~zeus_async.runtime.EmbeddedRuntime` thread. A window edge costs
+the caller an optional device synchronization, a clock read and a queue append; it never waits
+on NVML or I/O. Energy comes from the GPUs' energy counters (interpolated inside a counter
+period, so short windows are never 0 J) or, before Volta, from integrated power; each
+:class:`~zeus_async.aggregate.WindowResult` says per device which was used.
+"""
+
+from __future__ import annotations
+
+import atexit
+import csv
+import io
+import json
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import TracebackType
+from typing import Any, NamedTuple
+
+import aiofiles
+from anyio.abc import ObjectReceiveStream
+
+from .aggregate.windows import WindowResult, WindowTracker
+from .errors import ConfigError
+from .events import Event, Measurement, event_to_dict
+from .runtime import EmbeddedRuntime
+
+__all__ = ["Monitor", "ProfilingResult", "WindowContext"]
+
+logger = logging.getLogger(__name__)
+
+
+class ProfilingResult(NamedTuple):
+    """Result of :meth:`Monitor.pop_window`: seconds, and joules per GPU in index order."""
+
+    time: float
+    energy: list[float]
+
+
+def _csv_line(m: Measurement, *, header: bool) -> str:
+    row = {
+        "name": m.name,
+        "start_ns": m.start_ns,
+        "end_ns": m.end_ns,
+        "time_s": m.time_s,
+        **{f"gpu{i}_energy_j": e for i, e in sorted(m.gpu_energy_j.items())},
+        **{f"cpu{i}_energy_j": e for i, e in sorted((m.cpu_energy_j or {}).items())},
+        **{f"dram{i}_energy_j": e for i, e in sorted((m.dram_energy_j or {}).items())},
+        "methods": ";".join(f"{k}={v}" for k, v in sorted(m.methods.items())),
+    }
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(row))
+    if header:
+        writer.writeheader()
+    writer.writerow(row)
+    return buf.getvalue()
+
+
+class WindowContext:
+    """Yielded by :meth:`Monitor.window`; ``result`` is set when the block ends."""
+
+    __slots__ = ("name", "result")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.result: WindowResult | None = None
+
+
+def _torch_sync(gpu_indices: Sequence[int]) -> None:
+    """``torch.cuda.synchronize`` on each GPU when torch is loaded and CUDA usable; else no-op."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    cuda = torch.cuda
+    if not cuda.is_available():
+        return
+    for index in gpu_indices:
+        cuda.synchronize(index)
+
+
+class Monitor:
+    """Measure time and energy of named windows in a synchronous program.
+
+    Args:
+        gpu_indices: GPUs to measure (indices after ``CUDA_VISIBLE_DEVICES``); ``None`` = all.
+        cpu_indices: RAPL packages; ``None`` = all that are readable, ``[]`` = none.
+        backend: ``auto`` (NVML if a driver is present, else the simulator), ``nvml``, ``sim``.
+        sample_period: Sampling period in seconds.
+        publish: Also publish every sample and measurement on this ZeroMQ endpoint.
+        sync_execution_with: ``"torch"`` to ``torch.cuda.synchronize`` at edges when asked
+            (no-op without CUDA), or ``None``.
+        log_file: Append every finished window to this file: CSV (``.csv``) or JSON lines.
+        finalize_timeout_s: Longest wait for post-edge data (bound on energy resolution).
+        **runtime_options: More :class:`~zeus_async.runtime.Runtime` arguments (``clock``,
+            ``sim_config``, ``fields``, ...).
+
+    The monitor starts at construction and stops at :meth:`close`, at exit of a ``with``
+    block, or at interpreter exit.
+    """
+
+    def __init__(
+        self,
+        gpu_indices: Sequence[int] | None = None,
+        cpu_indices: Sequence[int] | None = None,
+        backend: str = "auto",
+        sample_period: float = 0.01,
+        publish: str | None = None,
+        sync_execution_with: str | None = "torch",
+        *,
+        log_file: str | Path | None = None,
+        finalize_timeout_s: float = 0.5,
+        **runtime_options: Any,
+    ) -> None:
+        if sync_execution_with not in ("torch", None):
+            raise ConfigError(
+                f"sync_execution_with must be 'torch' or None, not {sync_execution_with!r}"
+            )
+        self._sync = sync_execution_with
+        self._log_path = Path(log_file) if log_file is not None else None
+        consumers = list(runtime_options.pop("consumers", ()))
+        if self._log_path is not None:
+            consumers.append(self._log_consumer)
+        self._embedded = EmbeddedRuntime(
+            backend=backend,
+            gpus=gpu_indices,
+            cpus="auto" if cpu_indices is None else list(cpu_indices),
+            period_s=sample_period,
+            publish=publish,
+            windows=True,
+            finalize_timeout_s=finalize_timeout_s,
+            consumers=consumers,
+            **runtime_options,
+        )
+        self._embedded.start()
+        runtime = self._embedded.runtime
+        assert runtime is not None and runtime.tracker is not None
+        self._tracker: WindowTracker = runtime.tracker
+        self.gpu_indices: list[int] = sorted(self._tracker.gpu_indices)
+        self.cpu_indices: list[int] = sorted(self._tracker.cpu_packages)
+        self._stack: list[str] = []
+        self._stack_lock = threading.Lock()
+        self._closed = False
+        atexit.register(self.close)
+
+    # -- windows --------------------------------------------------------------------------------
+
+    def _sync_devices(self, sync: bool) -> None:
+        if sync and self._sync == "torch":
+            _torch_sync(self.gpu_indices)
+
+    def begin_window(self, key: str, sync_execution: bool = True, restart: bool = False) -> None:
+        """Start window ``key``.
+
+        Raises:
+            ValueError: ``key`` is already open (pass ``restart=True`` to replace it).
+        """
+        self._check_open()
+        self._sync_devices(sync_execution)
+        self._tracker.open(key, restart=restart)
+
+    def end_window(
+        self, key: str, sync_execution: bool = True, cancel: bool = False
+    ) -> WindowResult:
+        """End window ``key`` and return its result at once.
+
+        ``result.time`` is known immediately; energy attributes resolve within
+        ``finalize_timeout_s`` (0.5 s by default; ~0.1 s with a 100 ms energy counter) of the
+        window's end, blocking the reader until then. With ``cancel=True`` the window is
+        discarded and an empty, cancelled result is returned.
+
+        Raises:
+            ValueError: No window ``key`` is open.
+        """
+        self._check_open()
+        self._sync_devices(sync_execution)
+        return self._tracker.close(key, cancel=cancel)
+
+    @contextmanager
+    def window(self, key: str, sync_execution: bool = True) -> Iterator[WindowContext]:
+        """``with monitor.window("step") as w: ...`` then ``w.result``.
+
+        An exception inside the block cancels the window and propagates.
+        """
+        ctx = WindowContext(key)
+        self.begin_window(key, sync_execution=sync_execution)
+        try:
+            yield ctx
+        except BaseException:
+            self.end_window(key, sync_execution=False, cancel=True)
+            raise
+        ctx.result = self.end_window(key, sync_execution=sync_execution)
+
+    def push_window(self) -> None:
+        """Open an anonymous window on top of the stack (Zeus ``push_window`` semantics)."""
+        with self._stack_lock:
+            key = f"__stack_{len(self._stack)}_{id(self)}"
+            self.begin_window(key)
+            self._stack.append(key)
+
+    def pop_window(self) -> ProfilingResult:
+        """Close the most recently pushed window and return its time and per-GPU energy.
+
+        Waits for the energy figures (bounded by ``finalize_timeout_s``).
+
+        Raises:
+            RuntimeError: No window was pushed.
+        """
+        with self._stack_lock:
+            if not self._stack:
+                raise RuntimeError("no profiling window is active; call push_window() first")
+            key = self._stack.pop()
+        result = self.end_window(key)
+        energies = result.gpu_energy
+        return ProfilingResult(result.time, [energies.get(i, 0.0) for i in self.gpu_indices])
+
+    @property
+    def open_windows(self) -> list[str]:
+        """Names of the windows currently open."""
+        return self._tracker.open_windows
+
+    # -- logging --------------------------------------------------------------------------------
+
+    async def _log_consumer(self, stream: ObjectReceiveStream[Event]) -> None:
+        """Append every finished window to the log file (runtime thread, aiofiles)."""
+        assert self._log_path is not None
+        path = self._log_path
+        header_needed = path.suffix == ".csv" and (not path.exists() or path.stat().st_size == 0)
+        async with aiofiles.open(path, "a", newline="") as f:
+            async for event in stream:
+                if not isinstance(event, Measurement):
+                    continue
+                try:
+                    if path.suffix == ".csv":
+                        text = _csv_line(event, header=header_needed)
+                        header_needed = False
+                    else:
+                        text = json.dumps(event_to_dict(event)) + "\n"
+                    await f.write(text)
+                    await f.flush()
+                except OSError:
+                    logger.exception("could not log window %r to %s", event.name, path)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Monitor is closed")
+
+    def close(self) -> None:
+        """Stop sampling; pending windows are finalized with the data there is. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        self._embedded.stop()
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
