@@ -370,7 +370,7 @@ class WindowTracker:
         return False
 
     async def run(self, stream: ObjectReceiveStream[Event]) -> None:
-        """Consume the runtime's stream (use as a runtime consumer)."""
+        """Consume a stream (for replays and tests; the runtime uses :meth:`add` as a sink)."""
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._tick)
             async for event in stream:
@@ -378,6 +378,20 @@ class WindowTracker:
                 self.pump()
             tg.cancel_scope.cancel()
         self.pump(force=True)
+
+    async def run_pump(self, period_s: float) -> None:
+        """Finalize windows every ``period_s`` until cancelled, then finalize what is left.
+
+        Used with :meth:`add` registered as a hub sink: samples are accounted synchronously
+        as they are published (no stream, no task switch per event) and this task publishes
+        edges and finished measurements.
+        """
+        try:
+            while True:
+                await anyio.sleep(period_s)
+                self.pump()
+        finally:
+            self.pump(force=True)
 
     async def _tick(self) -> None:
         # Finalizes windows on their deadline even when no event arrives (no device, GPU lost).

@@ -34,6 +34,7 @@ is per process**: a limit set in one process does not affect what another proces
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import random
@@ -89,6 +90,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# >= 2 KiB so hashlib releases the GIL while hashing it (~2-3 us of CPU per chunk).
+_SPIN_CHUNK = bytes(2048)
 
 NS: Final = 1_000_000_000
 DAY_NS: Final = 86_400 * NS
@@ -529,11 +533,16 @@ class SimNode:
         return self.clock.wall_ns()
 
     def spin(self) -> None:
-        """Busy-wait ``call_latency_s`` of real time, like a driver call burning CPU."""
+        """Burn ``call_latency_s`` of CPU *without holding the GIL*, like a driver call.
+
+        Real pynvml calls go through ctypes, which releases the GIL while the driver works, so
+        other Python threads (a training loop) keep running meanwhile. Hashing a buffer of at
+        least 2 KiB does the same: CPython's hashlib releases the GIL for it and burns CPU.
+        """
         if self._latency_ns:
             end = time.perf_counter_ns() + self._latency_ns
             while time.perf_counter_ns() < end:
-                pass
+                hashlib.sha1(_SPIN_CHUNK)
 
     def truth_energy_j(self, gpu: int, t0_ns: int, t1_ns: int) -> float:
         """Exact energy (J) drawn by GPU ``gpu`` over ``[t0_ns, t1_ns]``."""

@@ -159,6 +159,8 @@ class Runtime:
         self._sampler_scope = anyio.CancelScope()
         self._samplers_done = anyio.Event()
         self._consumers_done = anyio.Event()
+        self._tracker_scope = anyio.CancelScope()
+        self._tracker_done = anyio.Event()
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:
@@ -174,7 +176,10 @@ class Runtime:
                     publish=self.publish_nowait,
                     finalize_timeout_s=self._finalize_timeout_s,
                 )
-                self.start_consumer(self.tracker.run, max_buffer=16384)
+                # A sink, not a consumer: accounting a sample is a few list appends, and a
+                # stream would cost a task switch per event on this thread.
+                self.hub.add_sink(self.tracker.add)
+                self._tg.start_soon(self._run_tracker_pump)
             for consumer in self._initial_consumers:
                 self.start_consumer(consumer)
             if self._publish_arg is not None:
@@ -201,6 +206,10 @@ class Runtime:
         with anyio.CancelScope(shield=True):
             self._sampler_scope.cancel()
             await self._samplers_done.wait()
+            # Finalize pending windows while consumers can still receive the measurements.
+            self._tracker_scope.cancel()
+            if self.tracker is not None:
+                await self._tracker_done.wait()
             self.hub.close()
             if self._consumers_running:
                 with anyio.move_on_after(self._shutdown_timeout_s):
@@ -307,6 +316,14 @@ class Runtime:
     async def publish(self, event: Event) -> None:
         """Inject an event (window edges, optimizer decisions, replayed events)."""
         await self.hub.publish(event)
+
+    async def _run_tracker_pump(self) -> None:
+        assert self.tracker is not None
+        try:
+            with self._tracker_scope:
+                await self.tracker.run_pump(min(self.period_s, 0.01))
+        finally:
+            self._tracker_done.set()
 
     def publish_nowait(self, event: Event) -> None:
         """Publish from the runtime's thread without awaiting (a task finishes it if needed)."""

@@ -1,0 +1,268 @@
+"""Measurement windows: zeus_async ``Monitor`` vs Zeus 0.16 ``ZeusMonitor``, side by side.
+
+Both measure the same simulated GPUs (one simulator node installed as ``pynvml`` in this
+process; every NVML call costs 10 µs of CPU), with ``sync_execution=False``:
+
+1. ``cost``: wall time of one ``begin_window`` + ``end_window`` pair on the caller's thread.
+2. ``accuracy``: |measured - true| energy per window on a square-wave workload, for windows
+   of 20 ms, 50 ms, 200 ms, 1 s and 10 s, both monitors measuring the same windows (Zeus with
+   ``approx_instant_energy=True``). The truth is the simulator's exact integral over each
+   monitor's own window edges.
+3. ``training``: a small torch MLP training loop on CPU (~50 ms steps), one window per step,
+   8 simulated GPUs sampled at 100 Hz with publishing on: median step time vs no monitor.
+
+Run: ``bench/.venv/bin/python bench/bench_monitor.py [--quick] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from zeus_async.devices.sim import SimConfig
+from zeus_async.devices.sim_workload import SquareWorkload
+from zeus_async.testing import sim_pynvml
+
+LATENCY_S = 10e-6
+
+
+def install_sim(num_gpus: int, workload: Any) -> Any:
+    config = SimConfig(num_gpus=num_gpus, call_latency_s=LATENCY_S, workload=workload, seed=11)
+    node = sim_pynvml.install(config=config)
+    sim_pynvml.install_as_pynvml()
+    return node
+
+
+def zeus_monitor(gpus: int) -> Any:
+    logging.getLogger("zeus").setLevel(logging.ERROR)
+    from zeus.monitor import ZeusMonitor
+
+    return ZeusMonitor(gpu_indices=list(range(gpus)), cpu_indices=[], approx_instant_energy=True)
+
+
+def our_monitor(gpus: int, **kw: Any) -> Any:
+    from zeus_async import Monitor
+
+    return Monitor(
+        gpu_indices=list(range(gpus)),
+        cpu_indices=[],
+        backend="nvml",
+        sync_execution_with=None,
+        **kw,
+    )
+
+
+def bench_cost(n: int) -> dict[str, float]:
+    install_sim(4, SquareWorkload(period_s=0.5))
+    zm, om = zeus_monitor(4), our_monitor(4)
+    out: dict[str, float] = {}
+    try:
+        for name, begin, end in (
+            ("zeus", zm.begin_window, zm.end_window),
+            ("ours", om.begin_window, om.end_window),
+        ):
+            samples = []
+            for i in range(n):
+                t = time.perf_counter()
+                begin(f"c{i}", sync_execution=False)
+                end(f"c{i}", sync_execution=False)
+                samples.append(time.perf_counter() - t)
+                time.sleep(0.001)
+            out[name] = statistics.median(samples) * 1e6
+    finally:
+        om.close()
+    return out
+
+
+def bench_accuracy(plan: list[tuple[float, int]]) -> dict[str, dict[str, float]]:
+    square = SquareWorkload(period_s=0.37, duty=0.5, high=1.0, low=0.1)
+    node = install_sim(4, square)
+    zm, om = zeus_monitor(4), our_monitor(4)
+    rng = random.Random(3)
+    errors: dict[str, dict[str, list[float]]] = {}
+    try:
+        for length, count in plan:
+            key = f"{length * 1e3:g} ms" if length < 1 else f"{length:g} s"
+            errs = errors.setdefault(key, {"zeus": [], "ours": [], "zeus_rel": [], "ours_rel": []})
+            pending = []
+            for i in range(count):
+                time.sleep(rng.uniform(0.0, 0.1))
+                name = f"{key}-{i}"
+                z0a = time.time_ns()
+                zm.begin_window(name, sync_execution=False)
+                z0b = time.time_ns()
+                om.begin_window(name, sync_execution=False)
+                time.sleep(length)
+                ours = om.end_window(name, sync_execution=False)
+                z1a = time.time_ns()
+                zres = zm.end_window(name, sync_execution=False)
+                z1b = time.time_ns()
+                pending.append((ours, zres, (z0a + z0b) // 2, (z1a + z1b) // 2))
+            for ours, zres, z0, z1 in pending:
+                m = ours.wait(timeout=5)
+                for gpu in range(4):
+                    t_o = node.truth_energy_j(gpu, m.start_ns, m.end_ns)
+                    t_z = node.truth_energy_j(gpu, z0, z1)
+                    e_o = abs(m.gpu_energy_j[gpu] - t_o)
+                    e_z = abs(zres.gpu_energy[gpu] - t_z)
+                    errs["ours"].append(e_o)
+                    errs["zeus"].append(e_z)
+                    errs["ours_rel"].append(e_o / t_o)
+                    errs["zeus_rel"].append(e_z / t_z)
+    finally:
+        om.close()
+    return {
+        k: {
+            "n": len(v["ours"]),
+            "zeus_mae_j": statistics.fmean(v["zeus"]),
+            "ours_mae_j": statistics.fmean(v["ours"]),
+            "zeus_mape": statistics.fmean(v["zeus_rel"]),
+            "ours_mape": statistics.fmean(v["ours_rel"]),
+        }
+        for k, v in errors.items()
+    }
+
+
+def bench_training(steps: int, rounds: int) -> dict[str, float]:
+    import torch
+
+    torch.set_num_threads(1)
+    install_sim(8, SquareWorkload(period_s=0.5))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(1536, 512), torch.randint(0, 10, (1536,))
+
+    def step() -> None:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    for _ in range(10):
+        step()
+    zm = zeus_monitor(8)  # no background work on Volta+: it only reads counters at edges
+
+    def phase(mode: str) -> list[float]:
+        om = our_monitor(8, publish="tcp://127.0.0.1:0") if mode == "ours" else None
+        out = []
+        try:
+            for i in range(steps):
+                t = time.perf_counter()
+                if om is not None:
+                    om.begin_window(f"s{i}", sync_execution=False)
+                    step()
+                    om.end_window(f"s{i}", sync_execution=False)
+                elif mode == "zeus":
+                    zm.begin_window(f"s{i}", sync_execution=False)
+                    step()
+                    zm.end_window(f"s{i}", sync_execution=False)
+                else:
+                    step()
+                out.append(time.perf_counter() - t)
+        finally:
+            if om is not None:
+                om.close()
+        return out
+
+    # "none_b" is a second, identical no-monitor group: its difference from "none" is the
+    # noise floor of this measurement on this machine (an A/A test).
+    times: dict[str, list[float]] = {"none": [], "ours": [], "zeus": [], "none_b": []}
+    orders = [
+        ("none", "ours", "zeus", "none_b"),
+        ("zeus", "none_b", "none", "ours"),
+        ("ours", "none", "none_b", "zeus"),
+        ("none_b", "zeus", "ours", "none"),
+    ]
+    for r in range(rounds):
+        for mode in orders[r % 4]:
+            times[mode].extend(phase("none" if mode == "none_b" else mode))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "step_ms_none": med["none"] * 1e3,
+        "step_ms_ours": med["ours"] * 1e3,
+        "step_ms_zeus": med["zeus"] * 1e3,
+        "slowdown_ours": med["ours"] / med["none"] - 1,
+        "slowdown_zeus": med["zeus"] / med["none"] - 1,
+        "aa_noise": med["none_b"] / med["none"] - 1,
+        "steps_per_mode": float(len(times["none"])),
+    }
+
+
+def run_part(name: str, quick: bool) -> dict[str, Any]:
+    if name == "cost":
+        return {"cost_us": bench_cost(50 if quick else 300)}
+    if name == "accuracy":
+        plan = [(0.02, 40), (0.05, 30), (0.2, 20), (1.0, 8), (10.0, 3)]
+        if quick:
+            plan = [(0.02, 10), (0.05, 8), (0.2, 5), (1.0, 2)]
+        return {"accuracy": bench_accuracy(plan)}
+    if name == "training":
+        return {"training": bench_training(20, 8 if quick else 20)}
+    raise SystemExit(f"unknown part {name!r}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer windows (a smoke run)")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--parts", default="cost,accuracy,training")
+    parser.add_argument("--only", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.only:  # one part in this (fresh) process: Zeus caches GPU handles process-wide
+        part = run_part(args.only, args.quick)
+        print(json.dumps(part))
+        return 0
+    results: dict[str, Any] = {}
+    for name in args.parts.split(","):
+        cmd = [sys.executable, __file__, "--only", name] + (["--quick"] if args.quick else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise SystemExit(f"part {name} failed:\n{proc.stderr[-3000:]}")
+        results.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    parts = args.parts.split(",")
+    if "cost" in parts:
+        cost = results["cost_us"]
+        print("\n| begin+end, 4 GPUs, sync off | median µs |\n|---|---:|")
+        print(f"| Zeus 0.16 ZeusMonitor | {cost['zeus']:.1f} |")
+        print(f"| zeus_async Monitor | {cost['ours']:.1f} |")
+        print(f"\nratio ours/Zeus: {cost['ours'] / cost['zeus']:.3f}x (target <= 0.25x)")
+    if "accuracy" in parts:
+        acc = results["accuracy"]
+        header = "| window | windows x GPUs | Zeus MAE J | ours MAE J | ratio | Zeus MAPE "
+        print("\n" + header + "| ours MAPE |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for key, r in acc.items():
+            print(
+                f"| {key} | {r['n']} | {r['zeus_mae_j']:.3f} | {r['ours_mae_j']:.3f} "
+                f"| {r['ours_mae_j'] / r['zeus_mae_j']:.3f}x | {r['zeus_mape'] * 100:.2f} % "
+                f"| {r['ours_mape'] * 100:.2f} % |"
+            )
+    if "training" in parts:
+        tr = results["training"]
+        print("\n| training loop, window per step, 8 GPUs | median step ms | slowdown |")
+        print("|---|---:|---:|")
+        print(f"| no monitor | {tr['step_ms_none']:.2f} | |")
+        print(
+            f"| zeus_async Monitor | {tr['step_ms_ours']:.2f} | {tr['slowdown_ours'] * 100:.2f} % |"
+        )
+        zeus_row = f"| Zeus 0.16 ZeusMonitor | {tr['step_ms_zeus']:.2f} "
+        print(zeus_row + f"| {tr['slowdown_zeus'] * 100:.2f} % |")
+        print(f"| A/A control: no monitor again (noise floor) | | {tr['aa_noise'] * 100:.2f} % |")
+        print(f"\n{tr['steps_per_mode']:.0f} steps per mode, phases of 20 steps interleaved")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
