@@ -114,7 +114,8 @@ class Monitor:
         log_file: Append every finished window to this file: CSV (``.csv``) or JSON lines.
         finalize_timeout_s: Longest wait for post-edge data (bound on energy resolution).
         **runtime_options: More :class:`~zeus_async.runtime.Runtime` arguments (``clock``,
-            ``sim_config``, ``fields``, ...).
+            ``sim_config``, ``fields``, ...). By default only ``power_w`` and ``energy_j`` are
+            sampled, at ``sample_period``: that is all windows need.
 
     The monitor starts at construction and stops at :meth:`close`, at exit of a ``with``
     block, or at interpreter exit.
@@ -140,6 +141,8 @@ class Monitor:
         self._sync = sync_execution_with
         self._log_path = Path(log_file) if log_file is not None else None
         consumers = list(runtime_options.pop("consumers", ()))
+        # Windows need power and energy only; other fields cost reads (pass ``fields`` for more).
+        runtime_options.setdefault("fields", {"power_w": None, "energy_j": None})
         if self._log_path is not None:
             consumers.append(self._log_consumer)
         self._embedded = EmbeddedRuntime(

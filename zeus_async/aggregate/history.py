@@ -6,10 +6,12 @@ interval ``[t0, t1]`` then comes from the best source that covers it:
 
 * **counter** (Volta+ GPUs, RAPL): the counter is exact at its update instants. An update is
   observed by the first sample after it, so its instant is estimated as the midpoint between
-  that sample and the previous one (error ≤ half a sample period). Between two updates the
-  cumulative energy is interpolated linearly in time — the period's energy is exact, only its
-  distribution inside the period is assumed uniform. This never reports 0 J for a window
-  shorter than the counter period.
+  that sample and the previous one (error ≤ half a sample period). Each period's energy is
+  exact; inside a period it is distributed in proportion to time, or — when the instant-power
+  readings are seen to follow :class:`SensorModel` (H100-like: the reading refreshed with the
+  counter averages the head of the period) — as a head level plus at most one step to the
+  next period's head level, fitted to the exact period energy. This never reports 0 J for a
+  window shorter than the counter period.
 * **integrated** (pre-Volta GPUs, or no counter update yet around the interval): power samples
   integrated with the trapezoid rule, held constant beyond the first and last sample.
 
@@ -22,9 +24,37 @@ import bisect
 import logging
 import threading
 
-__all__ = ["DeviceHistory", "EnergyEstimate"]
+__all__ = ["DeviceHistory", "EnergyEstimate", "SensorModel"]
 
 logger = logging.getLogger(__name__)
+
+_NAN = float("nan")
+
+
+class SensorModel:
+    """How a GPU's instant-power reading relates to its energy counter.
+
+    Defaults describe H100s as measured (and as the simulator models them): the counter
+    updates every ~100 ms, and the instant-power reading, refreshed at the same moment,
+    averages the first 25 ms of the counter period that just ended. A history uses this only
+    after checking it online (``min_evidence`` power changes, ``min_agreement`` of them
+    coinciding with counter updates); otherwise energy inside a counter period is split in
+    proportion to time.
+
+    Args:
+        head_window_s: Length of the averaged head of each period (0 disables the model).
+        min_evidence: Power-reading changes to see before trusting the model.
+        min_agreement: Fraction of them that must coincide with counter updates.
+    """
+
+    __slots__ = ("head_window_s", "min_agreement", "min_evidence")
+
+    def __init__(
+        self, head_window_s: float = 0.025, min_evidence: int = 5, min_agreement: float = 0.9
+    ) -> None:
+        self.head_window_s = head_window_s
+        self.min_evidence = min_evidence
+        self.min_agreement = min_agreement
 
 
 class EnergyEstimate:
@@ -49,17 +79,26 @@ class DeviceHistory:
             is an exact point of the cumulative energy.
     """
 
-    def __init__(self, key: str, *, fine_counter: bool = False) -> None:
+    def __init__(
+        self, key: str, *, fine_counter: bool = False, sensor: SensorModel | None = None
+    ) -> None:
         self.key = key
         self.fine_counter = fine_counter
+        self.sensor = sensor if sensor is not None else SensorModel()
         self._lock = threading.Lock()
         # Power samples: time, power, cumulative trapezoid energy at that time.
         self._pt: list[int] = []
         self._pw: list[float] = []
         self._pc: list[float] = []
-        # Counter points: estimated update time, counter value.
+        # Counter points: estimated update time, counter value, and the power reported by the
+        # sample that observed the update (NaN if none).
         self._ct: list[int] = []
         self._ce: list[float] = []
+        self._cp: list[float] = []
+        self._last_power: float | None = None
+        # Sensor-model evidence: instant-power changes, and how many came with a counter update.
+        self.power_changes = 0
+        self.power_changes_with_counter = 0
         self._last_counter: float | None = None
         self._last_counter_t: int | None = None
         self.last_t_ns: int | None = None
@@ -83,20 +122,31 @@ class DeviceHistory:
                 self._pt.append(t_ns)
                 self._pw.append(power_w)
                 self._pc.append(cum)
+            power_changed = (
+                power_w is not None and self._last_power is not None and power_w != self._last_power
+            )
+            if power_w is not None:
+                self._last_power = power_w
             if counter_j is not None:
                 self.has_counter = True
                 if self.fine_counter:
                     self._ct.append(t_ns)
                     self._ce.append(counter_j)
+                    self._cp.append(_NAN)
                 elif self._last_counter is not None and counter_j != self._last_counter:
                     assert self._last_counter_t is not None
                     self._ct.append((self._last_counter_t + t_ns) // 2)
                     self._ce.append(counter_j)
+                    self._cp.append(power_w if power_w is not None else _NAN)
                     self.counter_updates += 1
+                    if power_changed:
+                        self.power_changes_with_counter += 1
                 # (The first reading of a coarse counter belongs to an earlier, unknown update
                 # instant, so it is no interpolation point.)
                 self._last_counter = counter_j
                 self._last_counter_t = t_ns
+            if power_changed:
+                self.power_changes += 1
             self.last_t_ns = t_ns
 
     def mark_lost(self, t_ns: int) -> None:
@@ -113,7 +163,7 @@ class DeviceHistory:
                 del self._pt[:i], self._pw[:i], self._pc[:i]
             j = bisect.bisect_left(self._ct, t_ns) - 1
             if j > 0:
-                del self._ct[:j], self._ce[:j]
+                del self._ct[:j], self._ce[:j], self._cp[:j]
 
     # -- reading (any thread) -----------------------------------------------------------------
 
@@ -125,6 +175,9 @@ class DeviceHistory:
         """
         with self._lock:
             if self.has_counter and (self._ct or not self.fine_counter):
+                if self._head_model_active():
+                    # The period holding t_ns is split using the next period's head reading.
+                    return len(self._ct) >= 2 and self._ct[-2] >= t_ns
                 return bool(self._ct) and self._ct[-1] >= t_ns
             return bool(self._pt) and self._pt[-1] >= t_ns
 
@@ -133,19 +186,84 @@ class DeviceHistory:
         if t1_ns < t0_ns:
             raise ValueError("interval ends before it starts")
         with self._lock:
-            ct, ce = self._ct, self._ce
+            ct = self._ct
+            head = self._head_model_active()
             if len(ct) >= 2 and ct[0] <= t0_ns and ct[-1] >= t1_ns:
-                e = _interp(ct, ce, t1_ns) - _interp(ct, ce, t0_ns)
+                e = self._counter_at(t1_ns, head) - self._counter_at(t0_ns, head)
                 return EnergyEstimate(e, "counter+interpolated")
             if len(ct) >= 2 and self._pt and ct[0] <= t1_ns:
                 # Counter covers part of the interval: counter inside, power at the ends.
                 lo, hi = max(t0_ns, ct[0]), min(t1_ns, ct[-1])
-                e = _interp(ct, ce, hi) - _interp(ct, ce, lo)
+                e = self._counter_at(hi, head) - self._counter_at(lo, head)
                 e += self._integral(t0_ns, lo) + self._integral(hi, t1_ns)
                 return EnergyEstimate(e, "counter+extrapolated")
             if self._pt:
                 return EnergyEstimate(self._integral(t0_ns, t1_ns), "integrated")
             return EnergyEstimate(None, "unavailable")
+
+    def _head_model_active(self) -> bool:
+        """Whether the instant-power readings behave as :class:`SensorModel` says.
+
+        Evidence: the reported power changes (almost) only in samples that also observe an
+        energy-counter update, i.e. the instant reading is refreshed with the counter.
+        """
+        sensor = self.sensor
+        if not sensor.head_window_s or self.fine_counter:
+            return False
+        changes = self.power_changes
+        return (
+            changes >= sensor.min_evidence
+            and self.power_changes_with_counter >= sensor.min_agreement * changes
+        )
+
+    def _counter_at(self, t_ns: int, head: bool) -> float:
+        """Cumulative energy at ``t_ns`` from the counter points (clamped at the ends)."""
+        ct, ce = self._ct, self._ce
+        i = bisect.bisect_right(ct, t_ns)
+        if i == 0:
+            return ce[0]
+        if i == len(ct):
+            return ce[-1]
+        if not head:
+            t_a, t_b = ct[i - 1], ct[i]
+            return ce[i - 1] + (ce[i] - ce[i - 1]) * (t_ns - t_a) / (t_b - t_a)
+        return ce[i - 1] + self._period_partial(i, t_ns - ct[i - 1])
+
+    def _period_partial(self, j: int, offset_ns: int) -> float:
+        """Energy of counter period ``(ct[j-1], ct[j]]`` from its start to ``offset_ns``.
+
+        The period's energy ``E`` is exact. Its head power ``h`` (the mean over the first
+        ``head_window_s``) was reported by the sample that observed update ``j``; the next
+        period's head ``c`` by the one that observed update ``j+1``. The tail is taken as one
+        step from ``h`` to ``c`` placed so that the energies add up to ``E`` — exact for
+        piecewise-constant power with at most one step in the tail — and uniform when that
+        does not fit.
+        """
+        ct, ce, cp = self._ct, self._ce, self._cp
+        length = (ct[j] - ct[j - 1]) / 1e9
+        energy = ce[j] - ce[j - 1]
+        x = offset_ns / 1e9
+        h = cp[j]
+        w = min(self.sensor.head_window_s, length)
+        if h != h or length <= 0:  # NaN: no head reading
+            return energy * x / length if length > 0 else 0.0
+        tail_e = energy - h * w
+        tail_l = length - w
+        if tail_e < 0 or tail_l <= 0:
+            return energy * x / length
+        segments: list[tuple[float, float, float]] = [(0.0, w, h)]
+        c = cp[j + 1] if j + 1 < len(cp) else _NAN
+        step = (tail_e - c * tail_l) / (h - c) if c == c and abs(h - c) > 1e-9 else -1.0
+        if 0.0 <= step <= tail_l:
+            segments += [(w, w + step, h), (w + step, length, c)]
+        else:
+            segments.append((w, length, tail_e / tail_l))
+        total = 0.0
+        for a, b, power in segments:
+            if x <= a:
+                break
+            total += power * (min(x, b) - a)
+        return total
 
     def _cum(self, t_ns: int) -> float:
         """Cumulative integrated power at ``t_ns`` (power held constant outside the samples)."""
@@ -165,13 +283,3 @@ class DeviceHistory:
         if t1_ns <= t0_ns:
             return 0.0
         return self._cum(t1_ns) - self._cum(t0_ns)
-
-
-def _interp(ts: list[int], es: list[float], t_ns: int) -> float:
-    i = bisect.bisect_right(ts, t_ns)
-    if i == 0:
-        return es[0]
-    if i == len(ts):
-        return es[-1]
-    t_a, t_b = ts[i - 1], ts[i]
-    return es[i - 1] + (es[i] - es[i - 1]) * (t_ns - t_a) / (t_b - t_a)
