@@ -155,3 +155,20 @@ def test_closed_monitor_refuses_windows() -> None:
         mon.begin_window("x")
     with pytest.raises(ValueError, match="sync_execution_with"):
         Monitor(sync_execution_with="jax")
+
+
+def test_edges_synchronize_torch_devices(
+    monitor: Monitor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+    import types
+
+    calls: list[int] = []
+    cuda = types.SimpleNamespace(is_available=lambda: True, synchronize=calls.append)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    monitor.begin_window("s")
+    monitor.end_window("s", sync_execution=False)
+    assert calls == [0, 1]  # begin synchronized both GPUs; end was asked not to
+    with monitor.window("t"):
+        pass
+    assert calls == [0, 1, 0, 1, 0, 1]

@@ -29,6 +29,7 @@ __all__ = ["DeviceHistory", "EnergyEstimate", "SensorModel"]
 logger = logging.getLogger(__name__)
 
 _NAN = float("nan")
+_FIT_RADIUS = 10
 
 
 class SensorModel:
@@ -220,16 +221,53 @@ class DeviceHistory:
         """Cumulative energy at ``t_ns`` from the counter points (clamped at the ends)."""
         ct, ce = self._ct, self._ce
         i = bisect.bisect_right(ct, t_ns)
+        if 0 < i < len(ct) and not self.fine_counter:
+            # The raw instants are midpoints of the sample interval that saw each update;
+            # the refined ones come from the regular update grid around them.
+            t_a, t_b = self._refined(i - 1), self._refined(i)
+            if t_ns < t_a and i >= 2:
+                i -= 1
+                t_a, t_b = self._refined(i - 1), t_a
+            elif t_ns >= t_b and i + 1 < len(ct):
+                i += 1
+                t_a, t_b = t_b, self._refined(i)
+        elif 0 < i < len(ct):
+            t_a, t_b = ct[i - 1], ct[i]
         if i == 0:
             return ce[0]
         if i == len(ct):
             return ce[-1]
+        offset = min(max(t_ns - t_a, 0), t_b - t_a)
         if not head:
-            t_a, t_b = ct[i - 1], ct[i]
-            return ce[i - 1] + (ce[i] - ce[i - 1]) * (t_ns - t_a) / (t_b - t_a)
-        return ce[i - 1] + self._period_partial(i, t_ns - ct[i - 1])
+            return ce[i - 1] + (ce[i] - ce[i - 1]) * offset / (t_b - t_a)
+        return ce[i - 1] + self._period_partial(i, offset, t_b - t_a)
 
-    def _period_partial(self, j: int, offset_ns: int) -> float:
+    def _refined(self, k: int) -> float:
+        """Update instant ``k`` from a least-squares line through its neighbours' midpoints.
+
+        Counter updates lie on a regular grid, so fitting ``instant = a + b * period_index``
+        to up to ``_FIT_RADIUS`` updates on each side averages the half-sample-period error of
+        single midpoints away. Falls back to the midpoint with too few neighbours.
+        """
+        ct = self._ct
+        lo, hi = max(0, k - _FIT_RADIUS), min(len(ct), k + _FIT_RADIUS + 1)
+        if hi - lo < 5:
+            return float(ct[k])
+        diffs = sorted(ct[i + 1] - ct[i] for i in range(lo, hi - 1))
+        period = diffs[len(diffs) // 2]
+        if period <= 0:
+            return float(ct[k])
+        xs = [round((ct[i] - ct[k]) / period) for i in range(lo, hi)]
+        ys = [ct[i] - ct[k] for i in range(lo, hi)]
+        n = len(xs)
+        mx, my = sum(xs) / n, sum(ys) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        if sxx == 0:
+            return float(ct[k])
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+        return ct[k] + my - slope * mx
+
+    def _period_partial(self, j: int, offset_ns: float, length_ns: float) -> float:
         """Energy of counter period ``(ct[j-1], ct[j]]`` from its start to ``offset_ns``.
 
         The period's energy ``E`` is exact. Its head power ``h`` (the mean over the first
@@ -239,8 +277,8 @@ class DeviceHistory:
         piecewise-constant power with at most one step in the tail — and uniform when that
         does not fit.
         """
-        ct, ce, cp = self._ct, self._ce, self._cp
-        length = (ct[j] - ct[j - 1]) / 1e9
+        ce, cp = self._ce, self._cp
+        length = length_ns / 1e9
         energy = ce[j] - ce[j - 1]
         x = offset_ns / 1e9
         h = cp[j]
