@@ -1,11 +1,12 @@
-"""Embed zeus_async in a training script: sampling runs on a background thread.
+"""Embed zeus_async in a training script: a window per step, sampling on a background thread.
 
     python examples/embedded_training.py --steps 200
 
 Uses real GPUs when an NVIDIA driver is present, simulated H100s otherwise. The training
 loop below is a small PyTorch MLP on CPU when torch is installed, and plain Python arithmetic
-otherwise, so the example runs anywhere. While it trains, every sample is also published on
-ZeroMQ (watch it with ``zeus-async subscribe tcp://127.0.0.1:5557``).
+otherwise, so the example runs anywhere. While it trains, every sample and every window's
+measurement is also published on ZeroMQ (watch with
+``zeus-async subscribe tcp://127.0.0.1:5557 --topic window/``).
 """
 
 from __future__ import annotations
@@ -13,12 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
-import anyio
-
-from zeus_async.aggregate import LiveTotals
-from zeus_async.cli import render_totals
-from zeus_async.events import Event
-from zeus_async.runtime import EmbeddedRuntime
+from zeus_async import Monitor
 
 
 def make_step() -> tuple[str, object]:
@@ -51,25 +47,28 @@ def main() -> None:
     parser.add_argument("--publish", default="tcp://127.0.0.1:5557")
     args = parser.parse_args()
 
-    totals = LiveTotals()
-
-    async def account(stream: anyio.abc.ObjectReceiveStream[Event]) -> None:
-        async for event in stream:  # runs on the runtime's thread, never on the training one
-            totals.add(event)
-
     kind, step = make_step()
-    with EmbeddedRuntime(backend="auto", publish=args.publish, consumers=[account]) as rt:
-        assert rt.runtime is not None
-        print(
-            f"sampling {len(rt.runtime.devices)} device(s) ({rt.runtime.backend}); "
-            f"training a {kind} for {args.steps} steps"
-        )
+    with Monitor(publish=args.publish) as monitor:
+        print(f"measuring GPUs {monitor.gpu_indices}; training a {kind} for {args.steps} steps")
+        monitor.begin_window("training")
+        results = []
         t0 = time.perf_counter()
-        for _ in range(args.steps):
-            step()  # type: ignore[operator]
+        for i in range(args.steps):
+            with monitor.window(f"step-{i}") as w:  # edges cost microseconds
+                step()  # type: ignore[operator]
+            results.append(w.result)
         elapsed = time.perf_counter() - t0
+        total = monitor.end_window("training")
+        # Energy figures resolve shortly after each window ends; reading them waits if needed.
+        per_step = [r.total_energy for r in results if r is not None]
     print(f"trained in {elapsed:.2f} s ({elapsed / args.steps * 1e3:.2f} ms/step)")
-    print("\n".join(render_totals(totals)))
+    print(f"whole run: {total.time:.2f} s, {total.total_energy:.1f} J on the GPUs")
+    for gpu, joules in sorted(total.gpu_energy.items()):
+        print(f"  gpu:{gpu}  {joules:9.1f} J  ({total.methods[f'gpu:{gpu}']})")
+    print(
+        f"per step: mean {sum(per_step) / len(per_step):.2f} J, "
+        f"min {min(per_step):.2f} J, max {max(per_step):.2f} J"
+    )
 
 
 if __name__ == "__main__":

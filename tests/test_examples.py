@@ -34,8 +34,9 @@ def test_embedded_training_example() -> None:
         f"tcp://127.0.0.1:{port}",
     )
     assert proc.returncode == 0, proc.stderr
-    assert "sampling 4 device(s) (sim)" in proc.stdout
-    assert "all GPUs" in proc.stdout
+    assert "measuring GPUs [0, 1, 2, 3]" in proc.stdout
+    assert "whole run:" in proc.stdout and "counter+interpolated" in proc.stdout
+    assert "per step: mean" in proc.stdout
 
 
 def test_subscriber_example_against_a_spawned_monitor() -> None:

@@ -157,9 +157,7 @@ def test_closed_monitor_refuses_windows() -> None:
         Monitor(sync_execution_with="jax")
 
 
-def test_edges_synchronize_torch_devices(
-    monitor: Monitor, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_edges_synchronize_torch_devices(monitor: Monitor, monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
     import types
 
