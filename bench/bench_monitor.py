@@ -131,7 +131,7 @@ def bench_accuracy(plan: list[tuple[float, int]]) -> dict[str, dict[str, float]]
     }
 
 
-def bench_training(steps: int, rounds: int) -> dict[str, float]:
+def bench_training(steps: int, rounds: int, publish: bool = True) -> dict[str, float]:
     import torch
 
     torch.set_num_threads(1)
@@ -152,7 +152,8 @@ def bench_training(steps: int, rounds: int) -> dict[str, float]:
     zm = zeus_monitor(8)  # no background work on Volta+: it only reads counters at edges
 
     def phase(mode: str) -> list[float]:
-        om = our_monitor(8, publish="tcp://127.0.0.1:0") if mode == "ours" else None
+        pub = {"publish": "tcp://127.0.0.1:0"} if publish else {}
+        om = our_monitor(8, **pub) if mode == "ours" else None
         out = []
         try:
             for i in range(steps):
@@ -206,7 +207,61 @@ def bench_training(steps: int, rounds: int) -> dict[str, float]:
     }
 
 
+def bench_gil(rounds: int) -> dict[str, float]:
+    """How much a background Python thread that holds the GIL for a given share of the time
+    slows the same training step (no monitor at all): the mechanism behind in-process
+    samplers' slowdown."""
+    import threading
+
+    import torch
+
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(1536, 512), torch.randint(0, 10, (1536,))
+
+    def step() -> None:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    def busy(stop: threading.Event, hold_s: float) -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            while time.perf_counter() < t + hold_s:
+                pass
+            time.sleep(max(0.0, 0.01 - (time.perf_counter() - t)))
+
+    holds = {"none": 0.0, "0.1 ms per 10 ms": 1e-4, "0.5 ms per 10 ms": 5e-4}
+    per_round: dict[str, list[float]] = {k: [] for k in holds}
+    for _ in range(rounds):
+        med: dict[str, float] = {}
+        for name, hold in holds.items():
+            stop = threading.Event()
+            thread = threading.Thread(target=busy, args=(stop, hold)) if hold else None
+            if thread is not None:
+                thread.start()
+            times = []
+            for _ in range(15):
+                t = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t)
+            stop.set()
+            if thread is not None:
+                thread.join()
+            med[name] = statistics.median(times)
+        for name in holds:
+            per_round[name].append(med[name] / med["none"] - 1)
+    return {name: statistics.median(v) for name, v in per_round.items() if name != "none"}
+
+
 def run_part(name: str, quick: bool) -> dict[str, Any]:
+    if name == "gil":
+        return {"gil": bench_gil(4 if quick else 10)}
+    if name == "training-nopub":
+        return {"training": bench_training(20, 8 if quick else 20, publish=False)}
     if name == "cost":
         return {"cost_us": bench_cost(50 if quick else 300)}
     if name == "accuracy":
@@ -255,7 +310,7 @@ def main() -> int:
                 f"| {r['ours_mae_j'] / r['zeus_mae_j']:.3f}x | {r['zeus_mape'] * 100:.2f} % "
                 f"| {r['ours_mape'] * 100:.2f} % |"
             )
-    if "training" in parts:
+    if "training" in parts or "training-nopub" in parts:
         tr = results["training"]
         print("\n| training loop, window per step, 8 GPUs | median step ms | slowdown |")
         print("|---|---:|---:|")
@@ -270,6 +325,11 @@ def main() -> int:
             f"\n{tr['steps_per_mode']:.0f} steps per mode in {tr['rounds']:.0f} rounds of "
             "20-step phases; slowdown = median over rounds of the in-round ratio"
         )
+    if "gil" in parts:
+        print("\n| background thread holding the GIL (no monitor) | training-step slowdown |")
+        print("|---|---:|")
+        for name, value in results["gil"].items():
+            print(f"| {name} | {value * 100:.2f} % |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1))
