@@ -1,7 +1,9 @@
 """Measurement windows: zeus_async ``Monitor`` vs Zeus 0.16 ``ZeusMonitor``, side by side.
 
-Both measure the same simulated GPUs (one simulator node installed as ``pynvml`` in this
-process; every NVML call costs 10 µs of CPU), with ``sync_execution=False``:
+Both measure the same simulated GPUs (the simulator installed as ``pynvml`` in this process for
+Zeus, and the same configuration in our monitor's sampler process: the model is a function of
+the wall clock, so both see identical GPUs; every NVML call costs 10 µs of CPU with the GIL
+released, like a ctypes call), with ``sync_execution=False``:
 
 1. ``cost``: wall time of one ``begin_window`` + ``end_window`` pair on the caller's thread.
 2. ``accuracy``: |measured - true| energy per window on a square-wave workload, for windows
@@ -34,10 +36,16 @@ from zeus_async.testing import sim_pynvml
 LATENCY_S = 10e-6
 
 
+_CONFIG: list[SimConfig] = []
+
+
 def install_sim(num_gpus: int, workload: Any) -> Any:
+    """Install the simulator as ``pynvml`` here (for Zeus); our monitor's sampler process
+    builds the same node from the same config (the model is a function of wall time)."""
     config = SimConfig(num_gpus=num_gpus, call_latency_s=LATENCY_S, workload=workload, seed=11)
     node = sim_pynvml.install(config=config)
     sim_pynvml.install_as_pynvml()
+    _CONFIG[:] = [config]
     return node
 
 
@@ -54,7 +62,8 @@ def our_monitor(gpus: int, **kw: Any) -> Any:
     return Monitor(
         gpu_indices=list(range(gpus)),
         cpu_indices=[],
-        backend="nvml",
+        backend="sim",
+        sim_config=_CONFIG[0],
         sync_execution_with=None,
         **kw,
     )

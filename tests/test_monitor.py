@@ -12,16 +12,17 @@ from pathlib import Path
 import pytest
 
 from zeus_async import Monitor
-from zeus_async.devices.sim import SimConfig
+from zeus_async.devices.sim import SimConfig, SimNode
 from zeus_async.devices.sim_config import GpuOverride
 from zeus_async.devices.sim_workload import ConstantWorkload
 from zeus_async.testing import sim_pynvml
 
+CONFIG = SimConfig(num_gpus=2, workload=ConstantWorkload(util=0.5), seed=1)
 
-@pytest.fixture
-def monitor() -> Iterator[Monitor]:
-    config = SimConfig(num_gpus=2, workload=ConstantWorkload(util=0.5), seed=1)
-    mon = Monitor(backend="sim", cpu_indices=[], sim_config=config)
+
+@pytest.fixture(params=["process", "thread"])
+def monitor(request: pytest.FixtureRequest) -> Iterator[Monitor]:
+    mon = Monitor(backend="sim", cpu_indices=[], sim_config=CONFIG, sampler=request.param)
     try:
         yield mon
     finally:
@@ -30,8 +31,9 @@ def monitor() -> Iterator[Monitor]:
 
 
 def test_window_measures_time_and_energy(monitor: Monitor) -> None:
-    node = sim_pynvml.current_node()
-    assert node is not None
+    # The simulator is a pure function of its config and the wall clock: this node sees the
+    # same GPUs as the monitor's, in whichever process that one runs.
+    node = SimNode(CONFIG)
     monitor.begin_window("w")
     time.sleep(0.3)
     result = monitor.end_window("w")
@@ -110,25 +112,28 @@ def test_windows_from_two_threads(monitor: Monitor) -> None:
     assert monitor.open_windows == []
 
 
-def test_gpu_lost_mid_window_is_reported() -> None:
+@pytest.mark.parametrize("sampler", ["process", "thread"])
+def test_gpu_lost_mid_window_is_reported(sampler: str) -> None:
     now = time.time_ns()
     config = SimConfig(
-        num_gpus=2, epoch_ns=now, gpus=(GpuOverride(), GpuOverride(lost_at_s=0.5)), seed=2
+        num_gpus=2, epoch_ns=now, gpus=(GpuOverride(), GpuOverride(lost_at_s=1.0)), seed=2
     )
-    with Monitor(backend="sim", cpu_indices=[], sim_config=config) as mon:
+    with Monitor(backend="sim", cpu_indices=[], sim_config=config, sampler=sampler) as mon:
         mon.begin_window("w")
-        time.sleep(0.8)
+        time.sleep(max(0.0, (now + 1_300_000_000 - time.time_ns()) / 1e9))
         m = mon.end_window("w").wait(timeout=3)
     sim_pynvml.uninstall()
     assert "gpu:1" in m.lost and "gpu:0" not in m.lost
     assert m.gpu_energy_j[0] > 0
 
 
-@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
-def test_log_file(tmp_path: Path, suffix: str) -> None:
+@pytest.mark.parametrize(("suffix", "sampler"), [(".csv", "process"), (".jsonl", "thread")])
+def test_log_file(tmp_path: Path, suffix: str, sampler: str) -> None:
     path = tmp_path / f"log{suffix}"
     config = SimConfig(num_gpus=1, seed=3)
-    with Monitor(backend="sim", cpu_indices=[], sim_config=config, log_file=path) as mon:
+    with Monitor(
+        backend="sim", cpu_indices=[], sim_config=config, log_file=path, sampler=sampler
+    ) as mon:
         for name in ("x", "y"):
             mon.begin_window(name)
             time.sleep(0.02)
@@ -155,6 +160,28 @@ def test_closed_monitor_refuses_windows() -> None:
         mon.begin_window("x")
     with pytest.raises(ValueError, match="sync_execution_with"):
         Monitor(sync_execution_with="jax")
+    with pytest.raises(ValueError, match="sampler must be"):
+        Monitor(sampler="fiber")
+    with pytest.raises(ValueError, match="not available with sampler='process'"):
+        Monitor(backend="sim", clock=object())
+
+
+def test_sampler_process_failure_is_reported() -> None:
+    with pytest.raises(RuntimeError, match="sampler process"):
+        Monitor(backend="nvml", cpu_indices=[])  # no NVIDIA driver here: the child fails
+
+
+def test_killed_sampler_process_fails_pending_windows() -> None:
+    mon = Monitor(backend="sim", cpu_indices=[], sim_config=CONFIG)
+    try:
+        assert mon._process is not None
+        mon.begin_window("w")
+        mon._process._proc.kill()
+        result = mon.end_window("w")
+        with pytest.raises(RuntimeError, match="sampler process exited"):
+            result.wait(timeout=5)
+    finally:
+        mon.close()
 
 
 def test_edges_synchronize_torch_devices(monitor: Monitor, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,10 +16,13 @@ The replacement for Zeus's ``ZeusMonitor`` and ``ZeusProfilingService``::
 
     monitor.push_window(); work(); res = monitor.pop_window()   # stack semantics
 
-Sampling runs on an :class:`~zeus_async.runtime.EmbeddedRuntime` thread. A window edge costs
-the caller an optional device synchronization, a clock read and a queue append; it never waits
-on NVML or I/O. Energy comes from the GPUs' energy counters (interpolated inside a counter
-period, so short windows are never 0 J) or, before Volta, from integrated power; each
+Sampling runs in a child process by default (:class:`~zeus_async.runtime.SamplerProcess`), so it
+never competes with the training thread for the GIL; ``sampler="thread"`` runs it on an
+:class:`~zeus_async.runtime.EmbeddedRuntime` thread instead (fake clocks, ``consumers``...). A
+window edge costs the caller an optional device synchronization, a clock read and one small
+local message (process) or queue append (thread); it never waits on NVML or I/O. Energy comes
+from the GPUs' energy counters (split inside a counter period from the instant-power
+readings, so short windows are never 0 J) or, before Volta, from integrated power; each
 :class:`~zeus_async.aggregate.WindowResult` says per device which was used.
 """
 
@@ -31,7 +34,8 @@ import io
 import json
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
@@ -40,12 +44,13 @@ from typing import Any, NamedTuple
 import aiofiles
 from anyio.abc import ObjectReceiveStream
 
-from .aggregate.windows import WindowResult, WindowTracker
+from .aggregate.windows import WindowResult, WindowTracker, next_window_id
 from .errors import ConfigError
 from .events import Event, Measurement, event_to_dict
 from .runtime import EmbeddedRuntime
+from .runtime.sampler_process import Edge, SamplerProcess
 
-__all__ = ["Monitor", "ProfilingResult", "WindowContext"]
+__all__ = ["Monitor", "ProfilingResult", "WindowContext", "window_log_consumer"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +79,32 @@ def _csv_line(m: Measurement, *, header: bool) -> str:
         writer.writeheader()
     writer.writerow(row)
     return buf.getvalue()
+
+
+def window_log_consumer(
+    path: str | Path,
+) -> Callable[[ObjectReceiveStream[Event]], Awaitable[None]]:
+    """A runtime consumer appending every finished window to ``path`` (CSV or JSON lines)."""
+    path = Path(path)
+
+    async def consume(stream: ObjectReceiveStream[Event]) -> None:
+        header_needed = path.suffix == ".csv" and (not path.exists() or path.stat().st_size == 0)
+        async with aiofiles.open(path, "a", newline="") as f:
+            async for event in stream:
+                if not isinstance(event, Measurement):
+                    continue
+                try:
+                    if path.suffix == ".csv":
+                        text = _csv_line(event, header=header_needed)
+                        header_needed = False
+                    else:
+                        text = json.dumps(event_to_dict(event)) + "\n"
+                    await f.write(text)
+                    await f.flush()
+                except OSError:
+                    logger.exception("could not log window %r to %s", event.name, path)
+
+    return consume
 
 
 class WindowContext:
@@ -113,6 +144,8 @@ class Monitor:
             (no-op without CUDA), or ``None``.
         log_file: Append every finished window to this file: CSV (``.csv``) or JSON lines.
         finalize_timeout_s: Longest wait for post-edge data (bound on energy resolution).
+        sampler: ``"process"`` (default: sample in a child process, no GIL sharing) or
+            ``"thread"`` (sample on a thread of this process).
         **runtime_options: More :class:`~zeus_async.runtime.Runtime` arguments (``clock``,
             ``sim_config``, ``fields``, ...). By default only ``power_w`` and ``energy_j`` are
             sampled, at ``sample_period``: that is all windows need.
@@ -132,39 +165,66 @@ class Monitor:
         *,
         log_file: str | Path | None = None,
         finalize_timeout_s: float = 0.5,
+        sampler: str = "process",
         **runtime_options: Any,
     ) -> None:
         if sync_execution_with not in ("torch", None):
             raise ConfigError(
                 f"sync_execution_with must be 'torch' or None, not {sync_execution_with!r}"
             )
+        if sampler not in ("process", "thread"):
+            raise ConfigError(f"sampler must be 'process' or 'thread', not {sampler!r}")
         self._sync = sync_execution_with
-        self._log_path = Path(log_file) if log_file is not None else None
-        consumers = list(runtime_options.pop("consumers", ()))
         # Windows need power and energy only; other fields cost reads (pass ``fields`` for more).
         runtime_options.setdefault("fields", {"power_w": None, "energy_j": None})
-        if self._log_path is not None:
-            consumers.append(self._log_consumer)
-        self._embedded = EmbeddedRuntime(
-            backend=backend,
-            gpus=gpu_indices,
-            cpus="auto" if cpu_indices is None else list(cpu_indices),
-            period_s=sample_period,
-            publish=publish,
-            windows=True,
-            finalize_timeout_s=finalize_timeout_s,
-            consumers=consumers,
-            **runtime_options,
-        )
-        self._embedded.start()
-        runtime = self._embedded.runtime
-        assert runtime is not None and runtime.tracker is not None
-        self._tracker: WindowTracker = runtime.tracker
-        self.gpu_indices: list[int] = sorted(self._tracker.gpu_indices)
-        self.cpu_indices: list[int] = sorted(self._tracker.cpu_packages)
+        self._open: dict[str, tuple[int, int]] = {}
+        self._lock = threading.Lock()
         self._stack: list[str] = []
         self._stack_lock = threading.Lock()
         self._closed = False
+        self._process: SamplerProcess | None = None
+        self._embedded: EmbeddedRuntime | None = None
+        self._tracker: WindowTracker | None = None
+        if sampler == "process":
+            unknown = set(runtime_options) - {"fields", "sim_config"}
+            if unknown:
+                raise ConfigError(
+                    f"{', '.join(sorted(unknown))}: not available with sampler='process' "
+                    "(use sampler='thread')"
+                )
+            self._process = SamplerProcess(
+                backend=backend,
+                gpus=gpu_indices,
+                cpus=None if cpu_indices is None else list(cpu_indices),
+                period_s=sample_period,
+                publish=publish,
+                log_file=log_file,
+                finalize_timeout_s=finalize_timeout_s,
+                **runtime_options,
+            )
+            self.gpu_indices: list[int] = list(self._process.gpu_indices)
+            self.cpu_indices: list[int] = list(self._process.cpu_indices)
+        else:
+            consumers = list(runtime_options.pop("consumers", ()))
+            if log_file is not None:
+                consumers.append(window_log_consumer(log_file))
+            self._embedded = EmbeddedRuntime(
+                backend=backend,
+                gpus=gpu_indices,
+                cpus="auto" if cpu_indices is None else list(cpu_indices),
+                period_s=sample_period,
+                publish=publish,
+                windows=True,
+                finalize_timeout_s=finalize_timeout_s,
+                consumers=consumers,
+                **runtime_options,
+            )
+            self._embedded.start()
+            runtime = self._embedded.runtime
+            assert runtime is not None and runtime.tracker is not None
+            self._tracker = runtime.tracker
+            self.gpu_indices = sorted(self._tracker.gpu_indices)
+            self.cpu_indices = sorted(self._tracker.cpu_packages)
         atexit.register(self.close)
 
     # -- windows --------------------------------------------------------------------------------
@@ -181,7 +241,20 @@ class Monitor:
         """
         self._check_open()
         self._sync_devices(sync_execution)
-        self._tracker.open(key, restart=restart)
+        t_ns = time.time_ns()
+        with self._lock:
+            if key in self._open and not restart:
+                raise ValueError(
+                    f"measurement window {key!r} is already open; end it first, or pass "
+                    "restart=True to discard it and start again"
+                )
+            window_id = next_window_id()
+            self._open[key] = (t_ns, window_id)
+            if self._process is not None:
+                self._process.send_edge(Edge(True, key, window_id, t_ns, restart=restart))
+            else:
+                assert self._tracker is not None
+                self._tracker.open(key, restart=restart, t_ns=t_ns, window_id=window_id)
 
     def end_window(
         self, key: str, sync_execution: bool = True, cancel: bool = False
@@ -189,7 +262,7 @@ class Monitor:
         """End window ``key`` and return its result at once.
 
         ``result.time`` is known immediately; energy attributes resolve within
-        ``finalize_timeout_s`` (0.5 s by default; ~0.1 s with a 100 ms energy counter) of the
+        ``finalize_timeout_s`` (0.5 s by default; ~0.2 s with a 100 ms energy counter) of the
         window's end, blocking the reader until then. With ``cancel=True`` the window is
         discarded and an empty, cancelled result is returned.
 
@@ -198,7 +271,26 @@ class Monitor:
         """
         self._check_open()
         self._sync_devices(sync_execution)
-        return self._tracker.close(key, cancel=cancel)
+        t_ns = time.time_ns()
+        with self._lock:
+            try:
+                start_ns, window_id = self._open.pop(key)
+            except KeyError:
+                known = ", ".join(repr(k) for k in self._open) or "none"
+                raise ValueError(
+                    f"no open measurement window {key!r} (open windows: {known})"
+                ) from None
+            if self._process is None:
+                assert self._tracker is not None
+                return self._tracker.close(key, cancel=cancel, t_ns=t_ns)
+            self._process.send_edge(Edge(False, key, window_id, t_ns, cancel=cancel))
+        result = WindowResult(key, window_id, start_ns, t_ns)
+        if cancel:
+            result.cancelled = True
+            result._resolve(Measurement("", t_ns, key, window_id, start_ns, t_ns, 0.0, {}))
+        else:
+            self._process.expect(result)
+        return result
 
     @contextmanager
     def window(self, key: str, sync_execution: bool = True) -> Iterator[WindowContext]:
@@ -241,29 +333,10 @@ class Monitor:
     @property
     def open_windows(self) -> list[str]:
         """Names of the windows currently open."""
-        return self._tracker.open_windows
+        with self._lock:
+            return list(self._open)
 
     # -- logging --------------------------------------------------------------------------------
-
-    async def _log_consumer(self, stream: ObjectReceiveStream[Event]) -> None:
-        """Append every finished window to the log file (runtime thread, aiofiles)."""
-        assert self._log_path is not None
-        path = self._log_path
-        header_needed = path.suffix == ".csv" and (not path.exists() or path.stat().st_size == 0)
-        async with aiofiles.open(path, "a", newline="") as f:
-            async for event in stream:
-                if not isinstance(event, Measurement):
-                    continue
-                try:
-                    if path.suffix == ".csv":
-                        text = _csv_line(event, header=header_needed)
-                        header_needed = False
-                    else:
-                        text = json.dumps(event_to_dict(event)) + "\n"
-                    await f.write(text)
-                    await f.flush()
-                except OSError:
-                    logger.exception("could not log window %r to %s", event.name, path)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -277,7 +350,10 @@ class Monitor:
             return
         self._closed = True
         atexit.unregister(self.close)
-        self._embedded.stop()
+        if self._process is not None:
+            self._process.stop()
+        if self._embedded is not None:
+            self._embedded.stop()
 
     def __enter__(self) -> Monitor:
         return self

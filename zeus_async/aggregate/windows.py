@@ -36,11 +36,16 @@ from ..events import (
 )
 from .history import DeviceHistory, EnergyEstimate
 
-__all__ = ["EnergyEstimate", "WindowResult", "WindowTracker"]
+__all__ = ["EnergyEstimate", "WindowResult", "WindowTracker", "next_window_id"]
 
 logger = logging.getLogger(__name__)
 
 _window_ids = itertools.count(1)
+
+
+def next_window_id() -> int:
+    """A process-unique window id."""
+    return next(_window_ids)
 
 
 class WindowResult:
@@ -51,7 +56,16 @@ class WindowResult:
     :meth:`wait` / :meth:`wait_async` wait explicitly.
     """
 
-    __slots__ = ("_done", "_measurement", "cancelled", "end_ns", "name", "start_ns", "window_id")
+    __slots__ = (
+        "_done",
+        "_error",
+        "_measurement",
+        "cancelled",
+        "end_ns",
+        "name",
+        "start_ns",
+        "window_id",
+    )
 
     def __init__(self, name: str, window_id: int, start_ns: int, end_ns: int) -> None:
         self.name = name
@@ -61,6 +75,7 @@ class WindowResult:
         self.cancelled = False
         self._done = threading.Event()
         self._measurement: Measurement | None = None
+        self._error: BaseException | None = None
 
     @property
     def time(self) -> float:
@@ -74,6 +89,8 @@ class WindowResult:
         """Block until finalized; returns the :class:`~zeus_async.events.Measurement` event."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"window {self.name!r} not finalized within {timeout} s")
+        if self._error is not None:
+            raise self._error
         assert self._measurement is not None
         return self._measurement
 
@@ -81,12 +98,17 @@ class WindowResult:
         """Wait on the event loop (polls the thread-safe flag; finalization is ≤ 0.5 s away)."""
         while not self._done.is_set():
             await anyio.sleep(0.005)
-        assert self._measurement is not None
-        return self._measurement
+        return self.wait(0)
 
     def _resolve(self, measurement: Measurement) -> None:
         self._measurement = measurement
         self._done.set()
+
+    def _fail(self, error: BaseException) -> None:
+        """The window cannot be measured (the sampler died): readers get ``error``."""
+        if not self._done.is_set():
+            self._error = error
+            self._done.set()
 
     @property
     def measurement(self) -> Measurement:
@@ -151,6 +173,8 @@ class WindowTracker:
             (``Runtime.publish_nowait``); window edges and measurements go through it.
         finalize_timeout_s: Bound on the wait for post-edge data.
         history_s: How much history to keep beyond the oldest open window.
+        on_result: Called on the runtime's thread with each finished window's measurement
+            (the sampler process sends it to the parent this way).
     """
 
     def __init__(
@@ -162,8 +186,10 @@ class WindowTracker:
         publish: Callable[[Event], Any] | None = None,
         finalize_timeout_s: float = 0.5,
         history_s: float = 30.0,
+        on_result: Callable[[Measurement], None] | None = None,
     ) -> None:
         self.clock = clock
+        self.on_result = on_result
         self.host = host
         self._publish = publish
         self._timeout_ns = round(finalize_timeout_s * 1e9)
@@ -187,7 +213,14 @@ class WindowTracker:
 
     # -- edges (any thread) ---------------------------------------------------------------------
 
-    def open(self, name: str, *, restart: bool = False, t_ns: int | None = None) -> int:
+    def open(
+        self,
+        name: str,
+        *,
+        restart: bool = False,
+        t_ns: int | None = None,
+        window_id: int | None = None,
+    ) -> int:
         """Open window ``name``; returns its id. Raises ``ValueError`` if already open."""
         t = self.clock.wall_ns() if t_ns is None else t_ns
         with self._open_lock:
@@ -200,7 +233,8 @@ class WindowTracker:
                 _, old_id = self._open.pop(name)
                 self._edges.append(WindowClose(self.host, t, name, old_id, cancelled=True))
                 logger.info("window %r restarted", name)
-            window_id = next(_window_ids)
+            if window_id is None:
+                window_id = next(_window_ids)
             self._open[name] = (t, window_id)
         self._edges.append(WindowOpen(self.host, t, name, window_id))
         return window_id
@@ -276,6 +310,8 @@ class WindowTracker:
         for item in ready:
             measurement = self._measure(item.result)
             item.result._resolve(measurement)
+            if self.on_result is not None:
+                self.on_result(measurement)
             if publish is not None:
                 publish(measurement)
         if ready:

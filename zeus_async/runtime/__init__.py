@@ -7,5 +7,6 @@ from .hub import Hub as Hub
 from .runtime import DEFAULT_GPU_FIELDS as DEFAULT_GPU_FIELDS
 from .runtime import Runtime as Runtime
 from .sampler import Sampler as Sampler
+from .sampler_process import SamplerProcess as SamplerProcess
 
-__all__ = ["DEFAULT_GPU_FIELDS", "EmbeddedRuntime", "Hub", "Runtime", "Sampler"]
+__all__ = ["DEFAULT_GPU_FIELDS", "EmbeddedRuntime", "Hub", "Runtime", "Sampler", "SamplerProcess"]

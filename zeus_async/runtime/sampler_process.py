@@ -1,0 +1,279 @@
+"""Sampling in a child process, for programs whose own thread must not share the GIL.
+
+A sampler thread inside a training process competes with it for the GIL: a background thread
+that holds the GIL 0.5 ms in every 10 ms slows a small torch training step by ~5 %
+(``bench/bench_monitor.py --parts gil``). :class:`SamplerProcess` runs the whole
+:class:`~zeus_async.runtime.Runtime` (samplers, hub, window tracker, publisher) in a child
+process. The parent stamps window edges with its own wall clock and pushes them over a local
+ZeroMQ socket: the caller only appends the encoded edge to a queue, and an I/O thread (awake
+every 5 ms for a few microseconds) sends it and resolves each window's result when the child
+reports it. The only work left in the parent is that thread's short turns.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import msgspec
+import zmq
+
+from ..aggregate.windows import WindowResult
+from ..errors import ConfigError
+from ..events import Measurement
+
+__all__ = ["SamplerProcess"]
+
+logger = logging.getLogger(__name__)
+
+#: How often the I/O thread sends queued edges and checks the child (seconds).
+_IO_PERIOD_S = 0.005
+
+
+class ChildConfig(msgspec.Struct, frozen=True):
+    """Settings handed to the child process (JSON on its command line)."""
+
+    edges: str
+    replies: str
+    backend: str = "auto"
+    gpus: list[int] | None = None
+    cpus: list[int] | None = None
+    period_s: float = 0.01
+    fields: dict[str, float | None] | None = None
+    publish: str | None = None
+    log_file: str | None = None
+    finalize_timeout_s: float = 0.5
+    sim_config: str | None = None
+
+
+class Edge(msgspec.Struct, tag="edge", array_like=True):
+    """A window edge, parent to child."""
+
+    open: bool
+    name: str
+    id: int
+    t_ns: int
+    restart: bool = False
+    cancel: bool = False
+
+
+class Stop(msgspec.Struct, tag="stop", array_like=True):
+    """Parent to child: finalize pending windows and exit."""
+
+
+class Reply(msgspec.Struct, omit_defaults=True):
+    """Child to parent."""
+
+    kind: Literal["ready", "measurement", "error"]
+    gpus: list[int] = []
+    cpus: list[int] = []
+    backend: str = ""
+    endpoint: str | None = None
+    measurement: Measurement | None = None
+    message: str = ""
+
+
+class SamplerProcess:
+    """A runtime with measurement windows, running in a child process.
+
+    Args:
+        backend, gpus, cpus, period_s, fields, publish, finalize_timeout_s: As for
+            :class:`~zeus_async.runtime.Runtime`.
+        log_file: Window log written by the child (CSV or JSON lines).
+        sim_config: A :class:`~zeus_async.devices.sim.SimConfig` for the ``sim`` backend.
+        start_timeout_s: How long to wait for the child to be sampling.
+
+    Raises:
+        RuntimeError: The child failed to start (its error output is in the message).
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: str = "auto",
+        gpus: Sequence[int] | None = None,
+        cpus: Sequence[int] | None = None,
+        period_s: float = 0.01,
+        fields: Mapping[str, float | None] | None = None,
+        publish: str | None = None,
+        log_file: str | os.PathLike[str] | None = None,
+        finalize_timeout_s: float = 0.5,
+        sim_config: object | None = None,
+        start_timeout_s: float = 60.0,
+    ) -> None:
+        if not period_s > 0:
+            raise ConfigError(f"period_s must be positive, got {period_s!r}")
+        self._dir = tempfile.mkdtemp(prefix="zeus-async-")
+        self._ctx = zmq.Context()
+        self._edges = self._ctx.socket(zmq.PUSH)
+        self._edges.bind(f"ipc://{self._dir}/edges")
+        self._replies = self._ctx.socket(zmq.PULL)
+        self._replies.bind(f"ipc://{self._dir}/replies")
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(Reply)
+        # Edges go through this queue; the I/O thread sends them (it alone owns the sockets).
+        self._outbox: collections.deque[bytes] = collections.deque()
+        self._pending: dict[int, WindowResult] = {}
+        self._pending_lock = threading.Lock()
+        self._stopped = False
+        self._failure: str | None = None
+        sim_json = None
+        if sim_config is not None:
+            sim_json = msgspec.json.encode(sim_config).decode()
+        cfg = ChildConfig(
+            edges=f"ipc://{self._dir}/edges",
+            replies=f"ipc://{self._dir}/replies",
+            backend=backend,
+            gpus=list(gpus) if gpus is not None else None,
+            cpus=list(cpus) if cpus is not None else None,
+            period_s=period_s,
+            fields=dict(fields) if fields is not None else None,
+            publish=publish,
+            log_file=os.fspath(log_file) if log_file is not None else None,
+            finalize_timeout_s=finalize_timeout_s,
+            sim_config=sim_json,
+        )
+        self._stderr = open(os.path.join(self._dir, "stderr"), "w+b")  # noqa: SIM115
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "zeus_async.runtime._sampler_child", msgspec.json.encode(cfg)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=self._stderr,
+        )
+        try:
+            ready = self._wait_ready(start_timeout_s)
+        except BaseException:
+            self._kill()
+            self._cleanup()
+            raise
+        self.gpu_indices: list[int] = ready.gpus
+        self.cpu_indices: list[int] = ready.cpus
+        self.backend = ready.backend
+        self.endpoint = ready.endpoint
+        self._reader = threading.Thread(
+            target=self._read_replies, name="zeus-async-sampler-io", daemon=True
+        )
+        self._reader.start()
+
+    # -- start-up -------------------------------------------------------------------------------
+
+    def _child_error(self) -> str:
+        self._stderr.flush()
+        self._stderr.seek(0)
+        text = self._stderr.read().decode(errors="replace").strip()
+        return text[-2000:] or f"exit code {self._proc.poll()}"
+
+    def _wait_ready(self, timeout_s: float) -> Reply:
+        waited = 0.0
+        while waited < timeout_s:
+            if self._replies.poll(100):
+                reply = self._dec.decode(self._replies.recv())
+                if reply.kind == "ready":
+                    return reply
+                if reply.kind == "error":
+                    raise RuntimeError(f"sampler process failed: {reply.message}")
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"sampler process exited: {self._child_error()}")
+            waited += 0.1
+        raise RuntimeError(f"sampler process not ready within {timeout_s:g} s")
+
+    # -- edges ------------------------------------------------------------------------------------
+
+    def send_edge(self, edge: Edge) -> None:
+        """Queue one edge for the child: a deque append on the caller's thread.
+
+        The I/O thread sends queued edges within ``_IO_PERIOD_S``; the child only needs them
+        before it finalizes the window, which happens later anyway.
+        """
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
+        self._outbox.append(self._enc.encode(edge))
+
+    def expect(self, result: WindowResult) -> None:
+        """Resolve ``result`` when the child reports its window."""
+        with self._pending_lock:
+            if self._failure is not None:
+                result._fail(RuntimeError(self._failure))
+                return
+            self._pending[result.window_id] = result
+
+    def _flush_edges(self) -> None:
+        outbox = self._outbox
+        while outbox:
+            try:
+                self._edges.send(outbox[0], zmq.NOBLOCK)
+            except zmq.Again:
+                return  # child busy: retry on the next turn
+            outbox.popleft()
+
+    def _read_replies(self) -> None:
+        while True:
+            self._flush_edges()
+            try:
+                ready = self._replies.poll(round(_IO_PERIOD_S * 1e3))
+            except zmq.ZMQError:
+                return
+            if ready:
+                try:
+                    reply = self._dec.decode(self._replies.recv())
+                except (zmq.ZMQError, msgspec.DecodeError):
+                    return
+                if reply.kind == "measurement" and reply.measurement is not None:
+                    with self._pending_lock:
+                        result = self._pending.pop(reply.measurement.window_id, None)
+                    if result is not None:
+                        result._resolve(reply.measurement)
+                elif reply.kind == "error":
+                    self._fail_all(f"sampler process failed: {reply.message}")
+                continue
+            if self._proc.poll() is not None:
+                if not self._stopped:
+                    self._fail_all(f"sampler process exited: {self._child_error()}")
+                else:
+                    self._fail_all("the monitor was closed before this window was measured")
+                return
+
+    def _fail_all(self, message: str) -> None:
+        with self._pending_lock:
+            self._failure = message
+            pending, self._pending = self._pending, {}
+        if not self._stopped:
+            logger.error("%s", message)
+        for result in pending.values():
+            result._fail(RuntimeError(message))
+
+    # -- shutdown ---------------------------------------------------------------------------------
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the child to finalize pending windows and exit; kill it if it does not."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._outbox.append(self._enc.encode(Stop()))
+        try:
+            self._proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("sampler process did not stop within %.0f s; killing it", timeout_s)
+            self._kill()
+        self._reader.join(timeout=5)
+        self._cleanup()
+
+    def _kill(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def _cleanup(self) -> None:
+        self._edges.close(linger=0)
+        self._replies.close(linger=0)
+        self._ctx.term()
+        self._stderr.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
