@@ -108,25 +108,11 @@ def worker(kind: str, gpus: int, period: float, duration: float, fields: str) ->
         c3 = _cpu_all_including_reaped()
         startup = c1_tree
     else:
+        from zeus_async.devices.base import GPU_FIELDS
         from zeus_async.runtime import EmbeddedRuntime
 
         field_map: dict[str, float | None] | None
-        if fields == "power":
-            field_map = {"power_w": None}
-        else:
-            field_map = {
-                f: None
-                for f in (
-                    "power_w",
-                    "avg_power_w",
-                    "energy_j",
-                    "temperature_c",
-                    "sm_clock_hz",
-                    "utilization_frac",
-                    "memory_used_bytes",
-                    "power_limit_w",
-                )
-            }
+        field_map = {"power_w": None} if fields == "power" else dict.fromkeys(GPU_FIELDS)
         c0, w0 = _cpu_all_including_reaped(), time.perf_counter()
         rt = EmbeddedRuntime(backend="nvml", cpus=None, period_s=period, fields=field_map)
         rt.start()

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import aiofiles
 from anyio.abc import ObjectReceiveStream
 
-from .aggregate.windows import WindowResult, WindowTracker, next_window_id
+from .aggregate.windows import WindowResult, WindowTracker, next_window_id, pop_open_window
 from .errors import ConfigError
 from .events import Event, Measurement, event_to_dict
 from .runtime import EmbeddedRuntime
@@ -273,23 +273,15 @@ class Monitor:
         self._sync_devices(sync_execution)
         t_ns = time.time_ns()
         with self._lock:
-            try:
-                start_ns, window_id = self._open.pop(key)
-            except KeyError:
-                known = ", ".join(repr(k) for k in self._open) or "none"
-                raise ValueError(
-                    f"no open measurement window {key!r} (open windows: {known})"
-                ) from None
+            start_ns, window_id = pop_open_window(self._open, key)
             if self._process is None:
                 assert self._tracker is not None
                 return self._tracker.close(key, cancel=cancel, t_ns=t_ns)
             self._process.send_edge(Edge(False, key, window_id, t_ns, cancel=cancel))
-        result = WindowResult(key, window_id, start_ns, t_ns)
         if cancel:
-            result.cancelled = True
-            result._resolve(Measurement("", t_ns, key, window_id, start_ns, t_ns, 0.0, {}))
-        else:
-            self._process.expect(result)
+            return WindowResult.cancelled_result(key, window_id, start_ns, t_ns)
+        result = WindowResult(key, window_id, start_ns, t_ns)
+        self._process.expect(result)
         return result
 
     @contextmanager

@@ -36,7 +36,7 @@ from ..events import (
 )
 from .history import DeviceHistory, EnergyEstimate
 
-__all__ = ["EnergyEstimate", "WindowResult", "WindowTracker", "next_window_id"]
+__all__ = ["EnergyEstimate", "WindowResult", "WindowTracker", "next_window_id", "pop_open_window"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,15 @@ _window_ids = itertools.count(1)
 def next_window_id() -> int:
     """A process-unique window id."""
     return next(_window_ids)
+
+
+def pop_open_window(open_windows: dict[str, tuple[int, int]], name: str) -> tuple[int, int]:
+    """Remove and return ``(start_ns, window_id)`` of an open window, or raise a clear error."""
+    try:
+        return open_windows.pop(name)
+    except KeyError:
+        known = ", ".join(repr(k) for k in open_windows) or "none"
+        raise ValueError(f"no open measurement window {name!r} (open windows: {known})") from None
 
 
 class WindowResult:
@@ -103,6 +112,16 @@ class WindowResult:
     def _resolve(self, measurement: Measurement) -> None:
         self._measurement = measurement
         self._done.set()
+
+    @classmethod
+    def cancelled_result(
+        cls, name: str, window_id: int, start_ns: int, end_ns: int, *, host: str = ""
+    ) -> WindowResult:
+        """An already-resolved, empty result for a cancelled window."""
+        result = cls(name, window_id, start_ns, end_ns)
+        result.cancelled = True
+        result._resolve(Measurement(host, end_ns, name, window_id, start_ns, end_ns, 0.0, {}))
+        return result
 
     def _fail(self, error: BaseException) -> None:
         """The window cannot be measured (the sampler died): readers get ``error``."""
@@ -243,21 +262,11 @@ class WindowTracker:
         """Close window ``name``; the result resolves on the runtime's thread."""
         t = self.clock.wall_ns() if t_ns is None else t_ns
         with self._open_lock:
-            try:
-                start, window_id = self._open.pop(name)
-            except KeyError:
-                known = ", ".join(repr(k) for k in self._open) or "none"
-                raise ValueError(
-                    f"no open measurement window {name!r} (open windows: {known})"
-                ) from None
+            start, window_id = pop_open_window(self._open, name)
         self._edges.append(WindowClose(self.host, t, name, window_id, cancelled=cancel))
-        result = WindowResult(name, window_id, start, t)
         if cancel:
-            result.cancelled = True
-            result._resolve(
-                Measurement(self.host, t, name, window_id, start, t, 0.0, gpu_energy_j={})
-            )
-            return result
+            return WindowResult.cancelled_result(name, window_id, start, t, host=self.host)
+        result = WindowResult(name, window_id, start, t)
         with self._closed_lock:
             self._closed.append(_Closed(result, t + self._timeout_ns))
         return result
