@@ -37,7 +37,7 @@ def test_window_measures_time_and_energy(monitor: Monitor) -> None:
     monitor.begin_window("w")
     time.sleep(0.3)
     result = monitor.end_window("w")
-    assert result.time == pytest.approx(0.3, abs=0.05)
+    assert 0.3 <= result.time < 2.0  # at least the sleep; a stalled VM may add to it
     m = result.wait(timeout=2)
     assert set(m.gpu_energy_j) == {0, 1}
     for gpu in (0, 1):
