@@ -197,3 +197,36 @@ def test_edges_synchronize_torch_devices(monitor: Monitor, monkeypatch: pytest.M
     with monitor.window("t"):
         pass
     assert calls == [0, 1, 0, 1, 0, 1]
+
+
+def test_sampler_process_exits_when_its_parent_is_killed() -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, time\n"
+        "from zeus_async import Monitor\n"
+        "from zeus_async.devices.sim import SimConfig\n"
+        "m = Monitor(backend='sim', cpu_indices=[], sim_config=SimConfig(num_gpus=1))\n"
+        "print(m._process._proc.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child_pid = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child_pid, 0)
+            with open(f"/proc/{child_pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (ProcessLookupError, FileNotFoundError):
+            return  # the orphaned sampler noticed and exited (and was reaped)
+        if state in ("Z", "X"):
+            return  # exited; its new parent has not reaped it yet
+        time.sleep(0.1)
+    raise AssertionError("the sampler process outlived its killed parent by 10 s")

@@ -9,6 +9,7 @@ Not a public interface.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
@@ -72,17 +73,22 @@ async def _run(cfg: ChildConfig) -> None:
                     endpoint=endpoint,
                 )
             )
-            while True:
-                msg = dec.decode(await edges.recv())
-                if isinstance(msg, Stop):
-                    break
-                try:
-                    if msg.open:
-                        tracker.open(msg.name, restart=msg.restart, t_ns=msg.t_ns, window_id=msg.id)
-                    else:
-                        tracker.close(msg.name, cancel=msg.cancel, t_ns=msg.t_ns)
-                except ValueError as exc:  # the parent keeps the books; this is a bug
-                    logger.error("bad window edge %r: %s", msg, exc)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_watch_parent, cfg.parent_pid, tg.cancel_scope)
+                while True:
+                    msg = dec.decode(await edges.recv())
+                    if isinstance(msg, Stop):
+                        break
+                    try:
+                        if msg.open:
+                            tracker.open(
+                                msg.name, restart=msg.restart, t_ns=msg.t_ns, window_id=msg.id
+                            )
+                        else:
+                            tracker.close(msg.name, cancel=msg.cancel, t_ns=msg.t_ns)
+                    except ValueError as exc:  # the parent keeps the books; this is a bug
+                        logger.error("bad window edge %r: %s", msg, exc)
+                tg.cancel_scope.cancel()
     except Exception as exc:
         send(Reply(kind="error", message=f"{type(exc).__name__}: {exc}"))
         raise
@@ -91,6 +97,18 @@ async def _run(cfg: ChildConfig) -> None:
         replies.close(linger=2000)
         sctx.term()
         actx.term()
+
+
+async def _watch_parent(parent_pid: int, scope: anyio.CancelScope) -> None:
+    """Exit when the parent dies (killed without a chance to stop us): never sample orphaned."""
+    if not parent_pid:
+        return
+    while True:
+        await anyio.sleep(0.5)
+        if os.getppid() != parent_pid:
+            logger.warning("parent process %d is gone; stopping", parent_pid)
+            scope.cancel()
+            return
 
 
 def main() -> None:

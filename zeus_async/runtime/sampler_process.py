@@ -52,6 +52,7 @@ class ChildConfig(msgspec.Struct, frozen=True):
     log_file: str | None = None
     finalize_timeout_s: float = 0.5
     sim_config: str | None = None
+    parent_pid: int = 0
 
 
 class Edge(msgspec.Struct, tag="edge", array_like=True):
@@ -140,6 +141,7 @@ class SamplerProcess:
             log_file=os.fspath(log_file) if log_file is not None else None,
             finalize_timeout_s=finalize_timeout_s,
             sim_config=sim_json,
+            parent_pid=os.getpid(),
         )
         self._stderr = open(os.path.join(self._dir, "stderr"), "w+b")  # noqa: SIM115
         self._proc = subprocess.Popen(
