@@ -1,0 +1,268 @@
+"""The recording file format: a header with run metadata, then append-only frames.
+
+The byte-level contract lives in ``docs/recording-format.md``; this module is its reference
+implementation. Everything is in network byte order (big-endian). In short::
+
+    file   := header frame*
+    header := "ZARC" u16 format_version  u16 schema_version  u32 body_len
+              body (msgpack RecordingHeader, body_len bytes)
+              u32 crc32(every header byte before this field)
+    frame  := "ZAFR" u32 payload_len  u32 crc32(payload)  u64 first_t_ns
+              payload (msgpack array of events, payload_len bytes)
+
+A frame is self-delimiting and self-checking, so a reader can recover every complete frame of a
+file whose writer was killed mid-write (the torn tail) and resynchronize past a damaged frame by
+scanning for the next ``b"ZAFR"`` marker whose frame validates.
+
+Decoding never raises anything but :class:`~zeus_async.errors.CodecError` (or its subclasses
+:class:`~zeus_async.errors.SchemaVersionError` and :class:`NotARecordingError`) on bad bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import struct
+import sys
+import time
+import zlib
+from collections.abc import Sequence
+from typing import Final, NamedTuple
+
+import msgspec
+
+from ..errors import CodecError, SchemaVersionError
+from ..events import SCHEMA_VERSION, DeviceInfo, Event, EventEncoder
+
+__all__ = [
+    "FILE_MAGIC",
+    "FORMAT_VERSION",
+    "FRAME_MAGIC",
+    "FRAME_PREFIX_SIZE",
+    "HEADER_PREFIX_SIZE",
+    "MAX_HEADER_BODY",
+    "MAX_PAYLOAD",
+    "SUPPORTED_FORMAT_VERSIONS",
+    "SUPPORTED_SCHEMA_VERSIONS",
+    "Buffer",
+    "FramePrefix",
+    "HeaderPrefix",
+    "NotARecordingError",
+    "RecordingHeader",
+    "decode_header",
+    "default_header",
+    "encode_frame",
+    "encode_header",
+    "pack_frame_prefix",
+    "pack_header_prefix",
+    "unpack_frame_prefix",
+    "unpack_header_prefix",
+]
+
+logger = logging.getLogger(__name__)
+
+#: First four bytes of every recording.
+FILE_MAGIC: Final = b"ZARC"
+#: Sync marker opening every frame.
+FRAME_MAGIC: Final = b"ZAFR"
+#: Version of the file layout described above.
+FORMAT_VERSION: Final = 1
+#: File layout versions this build reads.
+SUPPORTED_FORMAT_VERSIONS: Final = frozenset({FORMAT_VERSION})
+#: Event schema versions this build reads.
+SUPPORTED_SCHEMA_VERSIONS: Final = frozenset({SCHEMA_VERSION})
+#: Largest header body a reader accepts (a larger length field means a damaged file).
+MAX_HEADER_BODY: Final = 16 * 1024 * 1024
+#: Largest frame payload (the u32 length field).
+MAX_PAYLOAD: Final = 2**32 - 1
+
+#: Bytes-like inputs the decoders accept (a read-only ``mmap`` of a file included).
+Buffer = bytes | bytearray | memoryview | mmap.mmap
+
+_HEADER_PREFIX = struct.Struct("!4sHHI")
+_CRC = struct.Struct("!I")
+_FRAME_PREFIX = struct.Struct("!4sIIQ")
+_U64_MAX: Final = 2**64 - 1
+
+#: Size of the fixed part of the header, before the msgpack body.
+HEADER_PREFIX_SIZE: Final = _HEADER_PREFIX.size  # 12
+#: Size of the fixed prefix of every frame.
+FRAME_PREFIX_SIZE: Final = _FRAME_PREFIX.size  # 20
+
+
+class NotARecordingError(CodecError):
+    """The file does not start with the recording magic ``b"ZARC"``."""
+
+
+class RecordingHeader(msgspec.Struct, kw_only=True):
+    """Run metadata stored once at the start of a recording.
+
+    Encoded as a msgpack *map* (field names as keys) so later versions can add fields that
+    older readers ignore.
+
+    Attributes:
+        host: Host id of the recording process.
+        start_wall_ns: Wall-clock time the recording started (ns since the Unix epoch).
+        pid: Process id of the writer.
+        argv: Command line of the writer.
+        devices: The devices the recorded runtime sampled.
+        meta: Free-form string metadata (job name, git revision, ...).
+    """
+
+    host: str = ""
+    start_wall_ns: int = 0
+    pid: int = 0
+    argv: list[str] = msgspec.field(default_factory=list)
+    devices: list[DeviceInfo] = msgspec.field(default_factory=list)
+    meta: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+def default_header(
+    *, devices: Sequence[DeviceInfo] = (), meta: dict[str, str] | None = None
+) -> RecordingHeader:
+    """A header describing the current process (host name, now, pid, ``sys.argv``)."""
+    return RecordingHeader(
+        host=socket.gethostname(),
+        start_wall_ns=time.time_ns(),
+        pid=os.getpid(),
+        argv=list(sys.argv),
+        devices=list(devices),
+        meta=dict(meta or {}),
+    )
+
+
+class HeaderPrefix(NamedTuple):
+    """The fixed first :data:`HEADER_PREFIX_SIZE` bytes of a recording."""
+
+    format_version: int
+    schema_version: int
+    body_len: int
+
+
+class FramePrefix(NamedTuple):
+    """The fixed :data:`FRAME_PREFIX_SIZE` bytes opening a frame."""
+
+    payload_len: int
+    crc: int
+    first_t_ns: int
+
+
+_header_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(RecordingHeader)
+
+
+def pack_header_prefix(
+    body_len: int, *, format_version: int = FORMAT_VERSION, schema_version: int = SCHEMA_VERSION
+) -> bytes:
+    """Pack the fixed header prefix (magic, versions, body length)."""
+    return _HEADER_PREFIX.pack(FILE_MAGIC, format_version, schema_version, body_len)
+
+
+def unpack_header_prefix(data: bytes | bytearray | memoryview) -> HeaderPrefix:
+    """Unpack and check the fixed header prefix.
+
+    Raises:
+        NotARecordingError: Bad magic (or fewer than 4 bytes).
+        SchemaVersionError: Unsupported format or schema version.
+        CodecError: Truncated prefix or implausible body length.
+    """
+    if len(data) < len(FILE_MAGIC) or bytes(data[: len(FILE_MAGIC)]) != FILE_MAGIC:
+        raise NotARecordingError("not a zeus_async recording (bad magic)")
+    if len(data) < HEADER_PREFIX_SIZE:
+        raise CodecError("truncated recording header")
+    _, fmt, schema, body_len = _HEADER_PREFIX.unpack_from(data, 0)
+    if fmt not in SUPPORTED_FORMAT_VERSIONS:
+        raise SchemaVersionError(
+            f"recording format version {fmt} is not supported "
+            f"(this build reads {sorted(SUPPORTED_FORMAT_VERSIONS)})"
+        )
+    if schema not in SUPPORTED_SCHEMA_VERSIONS:
+        raise SchemaVersionError(
+            f"recording schema version {schema} is not supported "
+            f"(this build reads {sorted(SUPPORTED_SCHEMA_VERSIONS)})"
+        )
+    if body_len > MAX_HEADER_BODY:
+        raise CodecError(f"implausible recording header length {body_len}")
+    return HeaderPrefix(fmt, schema, body_len)
+
+
+def encode_header(
+    header: RecordingHeader,
+    *,
+    format_version: int = FORMAT_VERSION,
+    schema_version: int = SCHEMA_VERSION,
+) -> bytes:
+    """The complete header bytes: prefix, msgpack body and CRC32."""
+    body = _header_encoder.encode(header)
+    if len(body) > MAX_HEADER_BODY:
+        raise CodecError(f"recording header too large ({len(body)} bytes)")
+    head = (
+        pack_header_prefix(len(body), format_version=format_version, schema_version=schema_version)
+        + body
+    )
+    return head + _CRC.pack(zlib.crc32(head))
+
+
+def decode_header(
+    data: bytes | bytearray | memoryview,
+) -> tuple[HeaderPrefix, RecordingHeader, int]:
+    """Decode the header at the start of ``data``.
+
+    Returns:
+        The prefix, the header and the total header size in bytes (offset of the first frame).
+
+    Raises:
+        NotARecordingError: Bad magic.
+        SchemaVersionError: Unsupported format or schema version.
+        CodecError: Truncated or corrupt header.
+    """
+    prefix = unpack_header_prefix(data)
+    end = HEADER_PREFIX_SIZE + prefix.body_len
+    if len(data) < end + _CRC.size:
+        raise CodecError("truncated recording header")
+    (crc,) = _CRC.unpack_from(data, end)
+    if zlib.crc32(data[:end]) != crc:
+        raise CodecError("recording header checksum mismatch")
+    try:
+        header = _header_decoder.decode(data[HEADER_PREFIX_SIZE:end])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CodecError(f"invalid recording header: {exc}") from None
+    return prefix, header, end + _CRC.size
+
+
+def pack_frame_prefix(payload_len: int, crc: int, first_t_ns: int) -> bytes:
+    """Pack a frame prefix (sync marker, payload length, payload CRC32, first event time)."""
+    return _FRAME_PREFIX.pack(FRAME_MAGIC, payload_len, crc, first_t_ns)
+
+
+def unpack_frame_prefix(data: Buffer, offset: int = 0) -> FramePrefix | None:
+    """Unpack the frame prefix at ``offset``; ``None`` when the sync marker is not there.
+
+    Raises:
+        CodecError: Fewer than :data:`FRAME_PREFIX_SIZE` bytes at ``offset``.
+    """
+    if len(data) - offset < FRAME_PREFIX_SIZE:
+        raise CodecError("truncated frame prefix")
+    magic, length, crc, t_ns = _FRAME_PREFIX.unpack_from(data, offset)
+    if magic != FRAME_MAGIC:
+        return None
+    return FramePrefix(length, crc, t_ns)
+
+
+def encode_frame(events: Sequence[Event], encoder: EventEncoder | None = None) -> bytes:
+    """Encode a non-empty batch of events as one complete frame (prefix + payload).
+
+    Raises:
+        CodecError: No events, a first ``t_ns`` outside u64, or a payload over 4 GiB.
+    """
+    if not events:
+        raise CodecError("a frame needs at least one event")
+    payload = (encoder or EventEncoder()).encode(list(events))
+    if len(payload) > MAX_PAYLOAD:
+        raise CodecError(f"frame payload too large ({len(payload)} bytes)")
+    first_t_ns = events[0].t_ns
+    if not 0 <= first_t_ns <= _U64_MAX:
+        raise CodecError(f"event t_ns {first_t_ns} does not fit a u64")
+    return pack_frame_prefix(len(payload), zlib.crc32(payload), first_t_ns) + payload

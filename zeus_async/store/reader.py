@@ -1,0 +1,399 @@
+"""Reading recordings: iteration with filters, crash recovery and random access by time.
+
+Recovery rules (also in ``docs/recording-format.md``):
+
+* Frames are read in file order. A frame is *valid* when its sync marker is ``b"ZAFR"``, its
+  payload lies inside the file, the CRC32 of the payload matches, the payload decodes to a
+  non-empty list of events, and the first event's ``t_ns`` equals the prefix's ``first_t_ns``.
+* A frame that is not valid is *corrupt* when a valid frame follows it: it is reported in
+  :attr:`RecoveryReport.corrupt_frames` with its offset and reason, and reading resumes at the
+  next ``b"ZAFR"`` marker whose frame is valid (resynchronization).
+* A last frame that runs past the end of the file (or a last prefix shorter than 20 bytes) with
+  no valid frame after it is the *torn tail* of a writer killed mid-write: it is reported in
+  :attr:`RecoveryReport.torn_tail_offset` / ``torn_tail_bytes``; every frame before it is read.
+
+Only :class:`~zeus_async.errors.CodecError` (and its subclasses
+:class:`~zeus_async.errors.SchemaVersionError`, :class:`~.format.NotARecordingError`) and
+:class:`OSError` are raised for bad or unreadable files; damage past the header is reported,
+not raised.
+
+The files are read through a read-only ``mmap``; :meth:`RecordingReader.aiter` runs the reading
+in worker threads (``anyio.to_thread``), a chunk of frames at a time, so the event loop never
+blocks on disk.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import mmap
+import os
+import zlib
+from collections.abc import AsyncIterator, Callable, Collection, Generator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+
+from ..errors import CodecError, ConfigError
+from ..events import (
+    EVENT_TYPES,
+    ClockChange,
+    DeviceFault,
+    Event,
+    EventDecoder,
+    GpuSample,
+    PowerLimitChange,
+    ProcessSample,
+    RaplSample,
+    event_kind,
+    event_topic,
+)
+from .format import (
+    FRAME_MAGIC,
+    FRAME_PREFIX_SIZE,
+    HEADER_PREFIX_SIZE,
+    FramePrefix,
+    HeaderPrefix,
+    RecordingHeader,
+    decode_header,
+    unpack_frame_prefix,
+    unpack_header_prefix,
+)
+
+__all__ = ["RecordingReader", "RecoveryReport", "event_device"]
+
+logger = logging.getLogger(__name__)
+
+_TRUNCATED = "truncated frame prefix"
+_PAST_END = "frame runs past the end of the file"
+_KNOWN_KINDS = frozenset(str(t.__struct_config__.tag) for t in EVENT_TYPES)
+
+
+@dataclass
+class RecoveryReport:
+    """What a pass over a recording found.
+
+    Attributes:
+        frames_ok: Valid frames read.
+        events_ok: Events in those frames (before any filter).
+        torn_tail_bytes: Bytes of the torn tail (0 when the file ends on a frame boundary).
+        torn_tail_offset: File offset where the torn tail starts, or ``None``.
+        corrupt_frames: ``(offset, reason)`` of each damaged frame skipped by resynchronizing.
+    """
+
+    frames_ok: int = 0
+    events_ok: int = 0
+    torn_tail_bytes: int = 0
+    torn_tail_offset: int | None = None
+    corrupt_frames: list[tuple[int, str]] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        """True when nothing was torn or corrupt."""
+        return self.torn_tail_offset is None and not self.corrupt_frames
+
+
+def event_device(event: Event) -> str | None:
+    """The device key an event is about (``"gpu:0"``, ``"cpu:1"``), or ``None``.
+
+    GPU samples and GPU control events map to ``gpu:<index>``, RAPL samples to
+    ``cpu:<package>``, process samples to their GPU when they have one, faults to their device;
+    window, measurement and stream events concern no single device.
+    """
+    if isinstance(event, (GpuSample, PowerLimitChange, ClockChange)):
+        return f"gpu:{event.gpu}"
+    if isinstance(event, RaplSample):
+        return f"cpu:{event.package}"
+    if isinstance(event, ProcessSample):
+        return None if event.gpu is None else f"gpu:{event.gpu}"
+    if isinstance(event, DeviceFault):
+        return event.device
+    return None
+
+
+def _predicate(
+    kinds: Collection[str] | None,
+    topics_prefix: str | None,
+    devices: Collection[str] | None,
+) -> Callable[[Event], bool] | None:
+    if kinds is None and topics_prefix is None and devices is None:
+        return None
+    kind_set = None if kinds is None else frozenset(kinds)
+    if kind_set is not None and not kind_set <= _KNOWN_KINDS:
+        raise ConfigError(
+            f"unknown event kind(s) {sorted(kind_set - _KNOWN_KINDS)}; "
+            f"known: {sorted(_KNOWN_KINDS)}"
+        )
+    device_set = None if devices is None else frozenset(devices)
+
+    def keep(event: Event) -> bool:
+        if kind_set is not None and event_kind(event) not in kind_set:
+            return False
+        if topics_prefix is not None and not event_topic(event).startswith(topics_prefix):
+            return False
+        return device_set is None or event_device(event) in device_set
+
+    return keep
+
+
+_Buffer = mmap.mmap | bytes
+_Valid = tuple[FramePrefix, list[Event]]
+
+
+def _validate(buf: _Buffer, pos: int, end: int, decoder: EventDecoder) -> _Valid | str:
+    """The frame at ``pos`` and its events, or why it is not a valid frame."""
+    if end - pos < FRAME_PREFIX_SIZE:
+        return _TRUNCATED
+    prefix = unpack_frame_prefix(buf, pos)
+    if prefix is None:
+        return "bad sync marker"
+    stop = pos + FRAME_PREFIX_SIZE + prefix.payload_len
+    if stop > end:
+        return _PAST_END
+    payload = buf[pos + FRAME_PREFIX_SIZE : stop]
+    if zlib.crc32(payload) != prefix.crc:
+        return "payload checksum mismatch"
+    try:
+        events = decoder.decode_batch(payload)
+    except CodecError:
+        return "undecodable payload"
+    if not events:
+        return "empty frame"
+    if events[0].t_ns != prefix.first_t_ns:
+        return "first_t_ns does not match the first event"
+    return prefix, events
+
+
+def _resync(buf: _Buffer, pos: int, end: int, decoder: EventDecoder) -> int | None:
+    """Offset of the first valid frame at or after ``pos``, or ``None``."""
+    i = buf.find(FRAME_MAGIC, pos, end)
+    while i != -1:
+        if not isinstance(_validate(buf, i, end, decoder), str):
+            return i
+        i = buf.find(FRAME_MAGIC, i + 1, end)
+    return None
+
+
+def _frames(
+    buf: _Buffer,
+    start: int,
+    end: int,
+    report: RecoveryReport,
+    *,
+    stop_t_ns: int | None = None,
+) -> Iterator[tuple[int, int, list[Event]]]:
+    """Yield ``(offset, first_t_ns, events)`` of every valid frame from ``start``, recovering."""
+    decoder = EventDecoder()
+    pos = start
+    while pos < end:
+        result = _validate(buf, pos, end, decoder)
+        if not isinstance(result, str):
+            prefix, events = result
+            if stop_t_ns is not None and prefix.first_t_ns >= stop_t_ns:
+                return
+            report.frames_ok += 1
+            report.events_ok += len(events)
+            yield pos, prefix.first_t_ns, events
+            pos += FRAME_PREFIX_SIZE + prefix.payload_len
+            continue
+        found = _resync(buf, pos + 1, end, decoder)
+        if found is None and result in (_TRUNCATED, _PAST_END):
+            report.torn_tail_offset = pos
+            report.torn_tail_bytes = end - pos
+            logger.info("recording has a torn tail of %d bytes at offset %d", end - pos, pos)
+            return
+        report.corrupt_frames.append((pos, result))
+        logger.warning("corrupt frame at offset %d: %s", pos, result)
+        if found is None:
+            return
+        pos = found
+
+
+class RecordingReader:
+    """Reads a recording written by :class:`~zeus_async.store.Recorder`.
+
+    Args:
+        path: The recording file.
+
+    Attributes:
+        path: The recording file.
+        header: The run metadata.
+        format_version: File layout version of the file.
+        schema_version: Event schema version of the file.
+        data_offset: Offset of the first frame.
+        report: :class:`RecoveryReport` of the latest pass (iteration, :meth:`aiter`,
+            :meth:`seek_time` or :meth:`events_between`); updated as the pass proceeds.
+
+    Raises:
+        NotARecordingError: The file does not start with ``b"ZARC"``.
+        SchemaVersionError: Unsupported format or schema version.
+        CodecError: Truncated or corrupt header.
+        OSError: The file cannot be read.
+
+    Iterating (``for event in reader``) yields every event of every valid frame, in file order.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        with self.path.open("rb") as f:
+            head = f.read(HEADER_PREFIX_SIZE)
+            prefix: HeaderPrefix = unpack_header_prefix(head)
+            head += f.read(prefix.body_len + 4)
+        _, header, self.data_offset = decode_header(head)
+        self.header: RecordingHeader = header
+        self.format_version = prefix.format_version
+        self.schema_version = prefix.schema_version
+        self.report = RecoveryReport()
+        self._index: list[tuple[int, int]] | None = None
+        self._index_t: list[int] = []
+
+    @contextmanager
+    def _mapped(self) -> Iterator[tuple[_Buffer, int]]:
+        with self.path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                yield b"", 0
+                return
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                yield mm, size
+            finally:
+                mm.close()
+
+    def _frames_from(
+        self, start: int, report: RecoveryReport, *, stop_t_ns: int | None = None
+    ) -> Generator[tuple[int, int, list[Event]], None, None]:
+        with self._mapped() as (buf, end):
+            yield from _frames(buf, start, end, report, stop_t_ns=stop_t_ns)
+
+    def _new_report(self) -> RecoveryReport:
+        self.report = RecoveryReport()
+        return self.report
+
+    def __iter__(self) -> Iterator[Event]:
+        return self.events()
+
+    def events(
+        self,
+        kinds: Collection[str] | None = None,
+        topics_prefix: str | None = None,
+        devices: Collection[str] | None = None,
+    ) -> Iterator[Event]:
+        """Every event of every valid frame, in file order, optionally filtered.
+
+        Args:
+            kinds: Keep only these event tags (``"gpu"``, ``"rapl"``, ``"measurement"``, ...).
+            topics_prefix: Keep only events whose bus topic starts with this
+                (see :func:`~zeus_async.events.event_topic`), e.g. ``"gpu/node1/"``.
+            devices: Keep only events about these devices (``"gpu:0"``, ``"cpu:1"``; see
+                :func:`event_device`).
+
+        Raises:
+            ConfigError: An unknown kind.
+        """
+        keep = _predicate(kinds, topics_prefix, devices)
+        report = self._new_report()
+        for _, _, events in self._frames_from(self.data_offset, report):
+            if keep is None:
+                yield from events
+            else:
+                yield from filter(keep, events)
+
+    async def aiter(
+        self,
+        kinds: Collection[str] | None = None,
+        topics_prefix: str | None = None,
+        devices: Collection[str] | None = None,
+        *,
+        frames_per_chunk: int = 64,
+    ) -> AsyncIterator[Event]:
+        """Async version of :meth:`events`: frames are read and decoded in a worker thread.
+
+        Args:
+            kinds: See :meth:`events`.
+            topics_prefix: See :meth:`events`.
+            devices: See :meth:`events`.
+            frames_per_chunk: Frames read per trip to the worker thread.
+        """
+        keep = _predicate(kinds, topics_prefix, devices)
+        report = self._new_report()
+        frames = self._frames_from(self.data_offset, report)
+
+        def take() -> list[tuple[int, int, list[Event]]]:
+            return list(itertools.islice(frames, frames_per_chunk))
+
+        try:
+            while True:
+                chunk = await anyio.to_thread.run_sync(take)
+                if not chunk:
+                    return
+                for _, _, events in chunk:
+                    for event in events:
+                        if keep is None or keep(event):
+                            yield event
+        finally:
+            frames.close()
+
+    # -- random access by time ---------------------------------------------------------------
+
+    def frame_index(self) -> list[tuple[int, int]]:
+        """``(offset, first_t_ns)`` of every frame, built once by reading frame prefixes only.
+
+        Payloads are skipped; where a prefix does not lead to another frame (damage), the scan
+        resynchronizes like a full read does.
+        """
+        if self._index is None:
+            index: list[tuple[int, int]] = []
+            decoder = EventDecoder()
+            with self._mapped() as (buf, end):
+                pos = self.data_offset
+                while pos + FRAME_PREFIX_SIZE <= end:
+                    prefix = unpack_frame_prefix(buf, pos)
+                    nxt = pos + FRAME_PREFIX_SIZE + prefix.payload_len if prefix else end + 1
+                    if prefix is None or nxt > end:
+                        found = _resync(buf, pos + 1, end, decoder)
+                        if found is None:
+                            break
+                        pos = found
+                        continue
+                    index.append((pos, prefix.first_t_ns))
+                    pos = nxt
+            self._index = index
+            self._index_t = [t for _, t in index]
+        return self._index
+
+    def _start_for(self, t_ns: int) -> int:
+        index = self.frame_index()
+        if not index:
+            return self.data_offset
+        i = bisect.bisect_left(self._index_t, t_ns) - 1
+        return index[max(i, 0)][0]
+
+    def seek_time(self, t_ns: int) -> Iterator[Event]:
+        """Events with ``t_ns >= t_ns`` from the frame that contains time ``t_ns`` onwards.
+
+        Starts at the last frame whose ``first_t_ns`` is before ``t_ns`` (found by bisecting
+        :meth:`frame_index`), so it is exact for recordings in nondecreasing time order (what
+        one recorder writes, up to events published late such as measurements).
+        """
+        report = self._new_report()
+        for _, _, events in self._frames_from(self._start_for(t_ns), report):
+            for event in events:
+                if event.t_ns >= t_ns:
+                    yield event
+
+    def events_between(self, t0_ns: int, t1_ns: int) -> Iterator[Event]:
+        """Events with ``t0_ns <= t_ns < t1_ns``, read from the frames that can hold them.
+
+        Same ordering assumption as :meth:`seek_time`; frames starting at or after ``t1_ns`` are
+        not decoded.
+        """
+        report = self._new_report()
+        start = self._start_for(t0_ns)
+        for _, _, events in self._frames_from(start, report, stop_t_ns=t1_ns):
+            for event in events:
+                if t0_ns <= event.t_ns < t1_ns:
+                    yield event
