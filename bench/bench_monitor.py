@@ -11,7 +11,7 @@ released, like a ctypes call), with ``sync_execution=False``:
    ``approx_instant_energy=True``). The truth is the simulator's exact integral over each
    monitor's own window edges.
 3. ``training``: a small torch MLP training loop on CPU (~50 ms steps), one window per step,
-   8 simulated GPUs sampled at 100 Hz with publishing on: median step time vs no monitor.
+   8 simulated GPUs sampled at 100 Hz with publishing and recording on: step time vs no monitor.
 
 Run: ``bench/.venv/bin/python bench/bench_monitor.py [--quick] [--json PATH]``.
 """
@@ -21,10 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -167,12 +169,16 @@ def bench_training(steps: int, rounds: int, publish: bool = True) -> dict[str, f
     for _ in range(10):
         step()
     zm = zeus_monitor(8)  # no background work on Volta+: it only reads counters at edges
+    tmp = tempfile.mkdtemp(prefix="zeus-async-bench-")
 
     def phase(mode: str) -> list[float]:
-        pub = {"publish": "tcp://127.0.0.1:0"} if publish else {}
+        pub: dict[str, Any] = {"publish": "tcp://127.0.0.1:0"} if publish else {}
+        pub["record"] = os.path.join(tmp, "training.zarc")
         om = our_monitor(8, **pub) if mode == "ours" else None
         out = []
         try:
+            for _ in range(5):  # untimed: let a just-started sampler settle (all modes alike)
+                step()
             for i in range(steps):
                 t = time.perf_counter()
                 if om is not None:

@@ -230,3 +230,27 @@ def test_sampler_process_exits_when_its_parent_is_killed() -> None:
             return  # exited; its new parent has not reaped it yet
         time.sleep(0.1)
     raise AssertionError("the sampler process outlived its killed parent by 10 s")
+
+
+@pytest.mark.parametrize("sampler", ["process", "thread"])
+def test_record_writes_samples_edges_and_measurements(tmp_path: Path, sampler: str) -> None:
+    from zeus_async.events import GpuSample, Measurement, WindowClose, WindowOpen
+    from zeus_async.store import RecordingReader
+
+    path = tmp_path / "run.zarc"
+    with Monitor(
+        backend="sim", cpu_indices=[], sim_config=CONFIG, sampler=sampler, record=path
+    ) as mon:
+        mon.begin_window("w")
+        time.sleep(0.05)
+        m = mon.end_window("w").wait(timeout=3)
+    sim_pynvml.uninstall()
+    reader = RecordingReader(path)
+    events = list(reader)
+    assert reader.report.clean
+    assert [d.key for d in reader.header.devices] == ["gpu:0", "gpu:1"]
+    assert sum(isinstance(e, GpuSample) for e in events) > 20
+    kinds = [type(e) for e in events if isinstance(e, WindowOpen | WindowClose | Measurement)]
+    assert kinds == [WindowOpen, WindowClose, Measurement]
+    recorded = next(e for e in events if isinstance(e, Measurement))
+    assert recorded.gpu_energy_j == m.gpu_energy_j

@@ -87,6 +87,7 @@ def _build_parser() -> argparse.ArgumentParser:
     mon.add_argument("--cpus", choices=("auto", "none"), default="auto", help="RAPL packages")
     mon.add_argument("--period", type=_positive_float, default=0.01, help="sampling period (s)")
     mon.add_argument("--publish", metavar="ENDPOINT", help="also publish on a ZeroMQ endpoint")
+    mon.add_argument("--record", metavar="FILE", help="also record every event to FILE")
     mon.add_argument("--duration", type=_positive_float, default=None, help="stop after S s")
     mon.add_argument("--refresh", type=_positive_float, default=0.5, help="table refresh (s)")
     mon.add_argument("--sim-config", default=None, help="simulator config: JSON text or file")
@@ -200,10 +201,13 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
         publish=args.publish,
         sim_config=sim_config,
         consumers=[consume],
+        record=args.record,
     )
     tty = out.isatty()
     async with runtime as rt:
         where = f", publishing on {rt.publisher.endpoint}" if rt.publisher is not None else ""
+        if args.record:
+            where += f", recording to {args.record}"
         out.write(
             f"zeus-async monitor: backend {rt.backend}, {len(rt.devices)} device(s), "
             f"period {args.period * 1e3:g} ms{where}. Ctrl-C to stop.\n"

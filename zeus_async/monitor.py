@@ -146,6 +146,8 @@ class Monitor:
         finalize_timeout_s: Longest wait for post-edge data (bound on energy resolution).
         sampler: ``"process"`` (default: sample in a child process, no GIL sharing) or
             ``"thread"`` (sample on a thread of this process).
+        record: Write every sample, window edge and measurement to this recording file
+            (:mod:`zeus_async.store`; read it with ``RecordingReader``).
         **runtime_options: More :class:`~zeus_async.runtime.Runtime` arguments (``clock``,
             ``sim_config``, ``fields``, ...). By default only ``power_w`` and ``energy_j`` are
             sampled, at ``sample_period``: that is all windows need.
@@ -166,6 +168,7 @@ class Monitor:
         log_file: str | Path | None = None,
         finalize_timeout_s: float = 0.5,
         sampler: str = "process",
+        record: str | Path | None = None,
         **runtime_options: Any,
     ) -> None:
         if sync_execution_with not in ("torch", None):
@@ -200,6 +203,7 @@ class Monitor:
                 publish=publish,
                 log_file=log_file,
                 finalize_timeout_s=finalize_timeout_s,
+                record=record,
                 **runtime_options,
             )
             self.gpu_indices: list[int] = list(self._process.gpu_indices)
@@ -217,6 +221,7 @@ class Monitor:
                 windows=True,
                 finalize_timeout_s=finalize_timeout_s,
                 consumers=consumers,
+                record=record,
                 **runtime_options,
             )
             self._embedded.start()

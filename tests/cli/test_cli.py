@@ -170,3 +170,19 @@ def test_proxy_aggregates_two_monitors_for_one_subscriber() -> None:
             p.terminate()
         for p in (*mons, proxy):
             p.communicate(timeout=30)
+
+
+def test_monitor_records_to_a_file(tmp_path: pytest.TempPathFactory) -> None:
+    from pathlib import Path
+
+    from zeus_async.events import GpuSample
+    from zeus_async.store import RecordingReader
+
+    path = Path(str(tmp_path)) / "mon.zarc"
+    proc = run_cli("monitor", "--backend", "sim", "--duration", "0.6", "--record", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert f"recording to {path}" in proc.stdout
+    reader = RecordingReader(path)
+    samples = [e for e in reader if isinstance(e, GpuSample)]
+    assert len({s.gpu for s in samples}) == 4 and len(samples) > 40
+    assert reader.report.clean

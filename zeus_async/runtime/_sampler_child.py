@@ -59,6 +59,7 @@ async def _run(cfg: ChildConfig) -> None:
             windows=True,
             finalize_timeout_s=cfg.finalize_timeout_s,
             consumers=consumers,
+            record=cfg.record,
         ) as rt:
             tracker = rt.tracker
             assert tracker is not None

@@ -91,6 +91,8 @@ class Runtime:
         windows: Keep device histories for measurement windows (:meth:`window`,
             :attr:`tracker`); costs a few microseconds per sample, so it is opt-in.
         finalize_timeout_s: Bound on how long a window's energy waits for post-edge data.
+        record: Write every event to this recording file (lossless consumer, see
+            :mod:`zeus_async.store`), with the devices in its header.
         rapl_root: powercap sysfs root.
     """
 
@@ -112,6 +114,7 @@ class Runtime:
         consumers: Sequence[Consumer] = (),
         windows: bool = False,
         finalize_timeout_s: float = 0.5,
+        record: str | os.PathLike[str] | None = None,
     ) -> None:
         if not period_s > 0:
             raise ConfigError(f"period_s must be positive, got {period_s!r}")
@@ -150,6 +153,8 @@ class Runtime:
         self._windows = windows
         self._finalize_timeout_s = finalize_timeout_s
         self.tracker: WindowTracker | None = None
+        self._record = record
+        self.recorder: Any | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -168,6 +173,18 @@ class Runtime:
             stack.callback(self._close_devices)
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             self._stack = stack
+            if self._record is not None:
+                from ..store import Recorder, RecordingHeader
+
+                header = RecordingHeader(
+                    host=self.host,
+                    start_wall_ns=self.clock.wall_ns(),
+                    pid=os.getpid(),
+                    argv=list(sys.argv),
+                    devices=[d.describe() for d in self.devices],
+                )
+                self.recorder = Recorder(self._record, header=header, clock=self.clock)
+                self.start_consumer(self.recorder.run, max_buffer=16384)
             if self._windows:
                 self.tracker = WindowTracker(
                     self.clock,

@@ -53,6 +53,7 @@ class ChildConfig(msgspec.Struct, frozen=True):
     finalize_timeout_s: float = 0.5
     sim_config: str | None = None
     parent_pid: int = 0
+    record: str | None = None
 
 
 class Edge(msgspec.Struct, tag="edge", array_like=True):
@@ -91,6 +92,7 @@ class SamplerProcess:
         log_file: Window log written by the child (CSV or JSON lines).
         sim_config: A :class:`~zeus_async.devices.sim.SimConfig` for the ``sim`` backend.
         start_timeout_s: How long to wait for the child to be sampling.
+        record: Recording file written by the child (every event, lossless).
 
     Raises:
         RuntimeError: The child failed to start (its error output is in the message).
@@ -109,6 +111,7 @@ class SamplerProcess:
         finalize_timeout_s: float = 0.5,
         sim_config: object | None = None,
         start_timeout_s: float = 60.0,
+        record: str | os.PathLike[str] | None = None,
     ) -> None:
         if not period_s > 0:
             raise ConfigError(f"period_s must be positive, got {period_s!r}")
@@ -142,6 +145,7 @@ class SamplerProcess:
             finalize_timeout_s=finalize_timeout_s,
             sim_config=sim_json,
             parent_pid=os.getpid(),
+            record=os.fspath(record) if record is not None else None,
         )
         self._stderr = open(os.path.join(self._dir, "stderr"), "w+b")  # noqa: SIM115
         self._proc = subprocess.Popen(
