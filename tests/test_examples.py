@@ -54,3 +54,11 @@ def test_subscriber_example_against_a_spawned_monitor() -> None:
     assert any("gpu0:" in line and "gpu3:" in line for line in lines[1:-1]), lines
     received, lost = lines[-1].removeprefix("frames received ").split(", lost ")
     assert int(received) > 100 and int(lost) == 0
+
+
+def test_analyze_recording_example(tmp_path: Path) -> None:
+    path = tmp_path / "demo.zarc"
+    proc = _run(str(EXAMPLES / "analyze_recording.py"), str(path), "--make")
+    assert proc.returncode == 0, proc.stderr
+    assert "devices: gpu:0, gpu:1, gpu:2, gpu:3" in proc.stdout
+    assert "counter+interpolated" in proc.stdout and "complete" in proc.stdout
