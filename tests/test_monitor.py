@@ -42,8 +42,9 @@ def test_window_measures_time_and_energy(monitor: Monitor) -> None:
     assert set(m.gpu_energy_j) == {0, 1}
     for gpu in (0, 1):
         truth = node.truth_energy_j(gpu, m.start_ns, m.end_ns)
-        # Constant power: counter interpolation is exact up to the update-instant estimate.
-        assert m.gpu_energy_j[gpu] == pytest.approx(truth, rel=0.02)
+        # Constant power: counter interpolation is exact up to the update-instant estimates,
+        # known to half a sample interval — which a stalled VM can stretch to tens of ms.
+        assert m.gpu_energy_j[gpu] == pytest.approx(truth, rel=0.05)
         assert m.methods[f"gpu:{gpu}"] == "counter+interpolated"
     assert result.total_energy == pytest.approx(sum(m.gpu_energy_j.values()))
     assert result.cpu_energy is None and result.dram_energy is None

@@ -41,7 +41,9 @@ def test_monitor_runs_on_the_simulator_and_prints_totals() -> None:
     for row in gpu_rows.values():
         energy, seconds, mean_w = float(row[1]), float(row[2]), float(row[3])
         assert 0.8 < seconds < 5.0  # the span of samples: VM stalls can stretch it
-        assert 70.0 <= mean_w <= 700.0  # between idle and the power limit
+        # Between idle and the power limit, give or take the demo's +-2 W sensor noise, which
+        # enters through the partial counter periods at both ends of the span.
+        assert 68.0 <= mean_w <= 702.0
         assert energy == pytest.approx(mean_w * seconds, rel=0.01)
         assert row[4] == "counter+interpolated"
     assert "Traceback" not in proc.stderr

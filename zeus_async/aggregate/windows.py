@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 
 _window_ids = itertools.count(1)
 
+#: Counter updates each GPU must show before windows are "primed": anchors on both sides of an
+#: early edge, and neighbours for refining the update instants (~0.3 s at 100 ms per update).
+_PRIMING_UPDATES = 3
+
 
 def next_window_id() -> int:
     """A process-unique window id."""
@@ -393,14 +397,14 @@ class WindowTracker:
             history.trim_before(keep_from)
 
     def primed(self) -> bool:
-        """Every GPU whose samples carry a counter has shown one update (an interpolation
-        anchor), and every other GPU has delivered a power sample."""
+        """Every GPU whose samples carry a counter has shown a few updates (interpolation
+        anchors), and every other GPU has delivered a power sample."""
         for key, history in self.histories.items():
             if not key.startswith("gpu:") or history.lost_at_ns is not None:
                 continue
             if history.last_t_ns is None:
                 return False
-            if history.has_counter and history.counter_updates == 0:
+            if history.has_counter and history.counter_updates < _PRIMING_UPDATES:
                 return False
         return True
 

@@ -204,9 +204,9 @@ class Runtime:
             await self.hub.publish(self.stream_info())
             await self._tg.start(self._run_samplers)
             if self.tracker is not None and self.devices:
-                # Ready for windows once every energy counter has moved once (≤ one counter
-                # period): a window opened right away then has an exact anchor before it.
-                await self.tracker.wait_primed(self._finalize_timeout_s)
+                # Ready for windows once every energy counter has moved a few times (~0.3 s): a
+                # window opened right away then has exact anchors before it.
+                await self.tracker.wait_primed(max(self._finalize_timeout_s, 1.0))
         except BaseException:
             self._sampler_scope.cancel()
             await stack.__aexit__(*sys.exc_info())
