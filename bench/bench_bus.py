@@ -41,25 +41,9 @@ GPUS = 8
 
 
 def _events(n: int, host: str = "node-01") -> list[Any]:
-    from zeus_async.events import GpuSample
+    from zeus_async.testing.fakes import realistic_gpu_samples
 
-    t = time.time_ns()
-    return [
-        GpuSample(
-            host=host,
-            t_ns=t + i,
-            gpu=i % GPUS,
-            power_w=250.0 + (i % 97),
-            avg_power_w=248.5,
-            energy_j=1.0e6 + i * 0.35,
-            temperature_c=61.0 + (i % 7),
-            sm_clock_hz=1.98e9,
-            utilization_frac=0.97,
-            memory_used_bytes=42_000_000_000 + i,
-            power_limit_w=700.0,
-        )
-        for i in range(n)
-    ]
+    return realistic_gpu_samples(n, gpus=GPUS, host=host)
 
 
 # ---------------------------------------------------------------- publisher processes

@@ -21,28 +21,14 @@ from typing import Any
 import anyio
 import msgspec
 
-from zeus_async.events import Event, GpuSample, event_to_dict
+from zeus_async.events import Event, event_to_dict
 from zeus_async.store import Recorder, RecordingReader, write_recording
+from zeus_async.testing.fakes import realistic_gpu_samples
 
 
 def make_events(n: int) -> list[Event]:
-    t = 1_763_000_000_000_000_000
-    return [
-        GpuSample(
-            host="node-01",
-            t_ns=t + i * 1_250_000,
-            gpu=i % 8,
-            power_w=250.0 + (i % 97) * 1.5,
-            avg_power_w=248.5,
-            energy_j=1.0e6 + i * 0.35,
-            temperature_c=61.0 + (i % 7),
-            sm_clock_hz=1.98e9,
-            utilization_frac=0.97,
-            memory_used_bytes=42_000_000_000 + i,
-            power_limit_w=700.0,
-        )
-        for i in range(n)
-    ]
+    # 1.25 ms apart: 8 GPUs sampled at 100 Hz.
+    return realistic_gpu_samples(n, t0_ns=1_763_000_000_000_000_000, step_ns=1_250_000)
 
 
 async def record_async(path: Path, events: list[Event]) -> float:

@@ -7,13 +7,14 @@ injected clock, can fail on a schedule, and can make reads "slow" by advancing a
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Collection, Sequence
 
 from ..clock import Clock, FakeClock
 from ..errors import DeviceError
 from ..events import DeviceInfo, Event, GpuSample
 
-__all__ = ["ScriptedGpu"]
+__all__ = ["ScriptedGpu", "realistic_gpu_samples"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,3 +82,32 @@ class ScriptedGpu:
 
     def close(self) -> None:
         self.closed = True
+
+
+def realistic_gpu_samples(
+    n: int,
+    *,
+    gpus: int = 8,
+    host: str = "node-01",
+    t0_ns: int | None = None,
+    step_ns: int = 1,
+) -> list[Event]:
+    """``n`` fully populated :class:`~zeus_async.events.GpuSample` events cycling over
+    ``gpus`` GPUs, for benchmarks of the bus and of recordings (realistic sizes and values)."""
+    t0 = time.time_ns() if t0_ns is None else t0_ns
+    return [
+        GpuSample(
+            host=host,
+            t_ns=t0 + i * step_ns,
+            gpu=i % gpus,
+            power_w=250.0 + (i % 97),
+            avg_power_w=248.5,
+            energy_j=1.0e6 + i * 0.35,
+            temperature_c=61.0 + (i % 7),
+            sm_clock_hz=1.98e9,
+            utilization_frac=0.97,
+            memory_used_bytes=42_000_000_000 + i,
+            power_limit_w=700.0,
+        )
+        for i in range(n)
+    ]
