@@ -1,7 +1,7 @@
 """Recording throughput and size: zeus_async recordings vs JSON lines of the same events.
 
 Writes N realistic ``GpuSample`` events (8 GPUs) with the async :class:`Recorder` (as a
-runtime consumer would: events arrive through a memory stream) and with ``write_recording``;
+runtime does: events published through a hub to a batched consumer) and ``write_recording``;
 reads them back with :class:`RecordingReader`; and, in the same run, writes and reads the same
 events as JSON lines (``msgspec.json``, one object per line — the usual interchange format).
 
@@ -22,6 +22,7 @@ import anyio
 import msgspec
 
 from zeus_async.events import Event, event_to_dict
+from zeus_async.runtime.hub import Hub
 from zeus_async.store import Recorder, RecordingReader, write_recording
 from zeus_async.testing.fakes import realistic_gpu_samples
 
@@ -32,14 +33,18 @@ def make_events(n: int) -> list[Event]:
 
 
 async def record_async(path: Path, events: list[Event]) -> float:
+    """Publish through a hub into the Recorder, as the runtime does (batched consumer)."""
+    hub = Hub()
     recorder = Recorder(path, flush_events=4096)
-    send, receive = anyio.create_memory_object_stream[Event](16384)
+    batches = hub.subscribe_batches(16384)
     t0 = time.perf_counter()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(recorder.run, receive)
-        async with send:
-            for e in events:
-                await send.send(e)
+        tg.start_soon(recorder.run, batches)
+        for e in events:
+            index = hub.try_publish(e)
+            if index >= 0:
+                await hub.resume(e, index)
+        hub.close()
     return time.perf_counter() - t0
 
 
@@ -85,7 +90,7 @@ def main() -> int:
     print("| path | events/s | file MB |\n|---|---:|---:|")
     rows = [
         (
-            "Recorder (async consumer, aiofiles) write",
+            "Recorder (hub -> batched consumer, aiofiles) write",
             out["recorder_async_s"],
             out["size_async_zarc"],
         ),

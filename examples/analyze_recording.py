@@ -1,10 +1,13 @@
-"""Read a recording offline and aggregate it with the same code the live monitor uses.
+"""Analyze a recording offline: totals, metrics, windows measured again with the live code.
 
     python examples/analyze_recording.py run.zarc           # a recording you made
     python examples/analyze_recording.py --make demo.zarc   # record 2 s of simulated GPUs first
+    python examples/analyze_recording.py tests/data/sim_windows.zarc   # a committed one
 
-Prints per-device energy (and how it was obtained), every measured window, and whether the file
-was complete (a recording cut short by a crash still yields every complete frame).
+Prints per-device energy (and how it was obtained), the available metrics, every measured
+window next to the same window measured again from the file's samples (the live aggregation
+code, fed by a replay), and whether the file was complete (a recording cut short by a crash
+still yields every complete frame).
 """
 
 from __future__ import annotations
@@ -13,10 +16,9 @@ import argparse
 import subprocess
 import sys
 
-from zeus_async.aggregate import LiveTotals
-from zeus_async.cli import render_totals
-from zeus_async.events import Measurement
+from zeus_async.aggregate.windows import ReplayedWindows
 from zeus_async.store import RecordingReader
+from zeus_async.store.analysis import Recording
 
 
 def main() -> int:
@@ -41,22 +43,32 @@ def main() -> int:
             check=True,
             stdout=subprocess.DEVNULL,
         )
+    rec = Recording(args.path)
+    print(f"recording of {rec.header.host}, devices: {', '.join(rec.devices())}")
+    print(f"{rec.duration_s:.2f} s; metrics: {', '.join(rec.metrics())}")
+    totals = rec.totals()
+    for key, d in totals.devices.items():
+        energy = "-" if d.energy_j is None else f"{d.energy_j:.2f} J"
+        print(f"  {key:<8} {energy:>12}  mean {d.mean_power_w or 0:.1f} W  ({d.method})")
+    print(f"  all GPUs {totals.gpu_energy_j:.2f} J")
+
+    # Any interval, from the samples: here the middle second of GPU 0.
+    mid = (rec.start_ns + rec.end_ns) // 2
+    e = rec.energy(rec.devices()[0], mid - 500_000_000, mid + 500_000_000)
+    print(f"middle second of {rec.devices()[0]}: {e.energy_j:.2f} J ({e.method})")
+
+    # The recorded windows, measured again from the file with the live code.
     reader = RecordingReader(args.path)
-    print(
-        f"recording of {reader.header.host}, devices: "
-        f"{', '.join(d.key for d in reader.header.devices)}"
-    )
-    totals = LiveTotals()
-    windows = []
+    again = ReplayedWindows(reader.header.devices)
     for event in reader:
-        totals.add(event)  # the live monitor's aggregation, fed from the file
-        if isinstance(event, Measurement):
-            windows.append(event)
-    print("\n".join(render_totals(totals)))
-    for m in windows:
+        again.add(event)
+    replayed = {m.window_id: m for m in again.finish()}
+    for m in again.recorded:
         joules = sum(m.gpu_energy_j.values())
-        print(f"window {m.name}: {m.time_s:.3f} s, {joules:.2f} J on GPUs")
-    report = reader.report
+        r = replayed.get(m.window_id)
+        same = "same on replay" if r is not None and r.gpu_energy_j == m.gpu_energy_j else "?"
+        print(f"window {m.name}: {m.time_s:.3f} s, {joules:.2f} J on GPUs ({same})")
+    report = rec.report
     state = "complete" if report.clean else f"recovered ({report})"
     print(f"{report.frames_ok} frames, {report.events_ok} events, {state}")
     return 0

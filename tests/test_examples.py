@@ -61,4 +61,12 @@ def test_analyze_recording_example(tmp_path: Path) -> None:
     proc = _run(str(EXAMPLES / "analyze_recording.py"), str(path), "--make")
     assert proc.returncode == 0, proc.stderr
     assert "devices: gpu:0, gpu:1, gpu:2, gpu:3" in proc.stdout
-    assert "counter+interpolated" in proc.stdout and "complete" in proc.stdout
+    assert "counter+" in proc.stdout and "complete" in proc.stdout
+
+
+def test_analyze_recording_example_on_a_committed_recording() -> None:
+    data = Path(__file__).parent / "data" / "sim_windows.zarc"
+    proc = _run(str(EXAMPLES / "analyze_recording.py"), str(data))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("(same on replay)") == 6
+    assert "middle second of gpu:0" in proc.stdout and "9 frames" in proc.stdout

@@ -4,6 +4,11 @@ Commands:
     monitor    sample GPUs (and RAPL) and show a live per-device table; totals at the end
     subscribe  print events from a publisher (``--json`` for one JSON object per line)
     proxy      forward the streams of many publishers to one endpoint (XSUB/XPUB)
+    inspect    summary of a recording (devices, duration, energy, windows, damage)
+    export     convert a recording to CSV or JSON lines
+    replay     replay a recording into the pipeline (and onto ZeroMQ), at any pace
+    record     record a remote stream (a publisher or a proxy) to a file
+    plot       draw per-GPU power over time with the windows shaded
 
 Errors in arguments or endpoints print one line to stderr and exit non-zero; no traceback.
 """
@@ -14,7 +19,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +27,8 @@ from typing import Any, TextIO
 import anyio
 import msgspec
 
+from . import _cli_store
+from ._cli_common import stop_on_signals, wait_for_publisher
 from .aggregate import LiveTotals
 from .errors import ZeusAsyncError
 from .events import Event, event_to_dict
@@ -106,6 +112,7 @@ def _build_parser() -> argparse.ArgumentParser:
     prx.add_argument("--in", dest="inputs", nargs="+", required=True, metavar="ENDPOINT")
     prx.add_argument("--out", dest="output", required=True, metavar="ENDPOINT")
     prx.add_argument("--duration", type=_positive_float, default=None, help="stop after S s")
+    _cli_store.add_parsers(sub, _positive_float)
     return parser
 
 
@@ -164,13 +171,6 @@ def render_totals(totals: LiveTotals) -> list[str]:
     return lines
 
 
-async def _stop_on_signals(scope: anyio.CancelScope) -> None:
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
-            scope.cancel()
-            return
-
-
 def demo_sim_config() -> Any:
     """The simulator setup ``monitor`` uses when none is given: busy, varied GPUs."""
     from .devices.sim import SimConfig
@@ -218,7 +218,7 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
             if args.duration is not None:
                 scope.deadline = anyio.current_time() + args.duration
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_stop_on_signals, scope)
+                tg.start_soon(stop_on_signals, scope)
                 while True:
                     await anyio.sleep(args.refresh)
                     lines = render_table(totals)
@@ -257,17 +257,12 @@ async def _subscribe(args: argparse.Namespace, out: TextIO) -> int:
     topics = args.topic or [""]
     count = 0
     async with Subscriber(args.endpoints, topics=topics) as sub:
-        try:
-            await sub.wait_ready(streams=1, timeout=args.wait)
-        except TimeoutError:
-            raise CliError(
-                f"no publisher answered at {', '.join(args.endpoints)} within {args.wait:g} s"
-            ) from None
+        await wait_for_publisher(sub, args.endpoints, args.wait)
         with anyio.CancelScope() as scope:
             if args.duration is not None:
                 scope.deadline = anyio.current_time() + args.duration
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_stop_on_signals, scope)
+                tg.start_soon(stop_on_signals, scope)
                 async for event in sub:
                     if args.json:
                         out.write(json.dumps(event_to_dict(event)) + "\n")
@@ -296,7 +291,7 @@ async def _proxy(args: argparse.Namespace, out: TextIO) -> int:
         if args.duration is not None:
             scope.deadline = anyio.current_time() + args.duration
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_stop_on_signals, scope)
+            tg.start_soon(stop_on_signals, scope)
             await tg.start(run_proxy, args.inputs, args.output)
             out.write(f"zeus-async proxy: {' '.join(args.inputs)} -> {args.output}\n")
             out.flush()
@@ -316,6 +311,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s"
     )
     commands = {"monitor": _monitor, "subscribe": _subscribe, "proxy": _proxy}
+    commands.update(_cli_store.COMMANDS)
     if args.command is None:
         parser.print_help(stream)
         return EXIT_USAGE

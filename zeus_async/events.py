@@ -345,8 +345,12 @@ def event_to_dict(event: Event) -> dict[str, Any]:
     """A JSON-friendly dict of an event: ``{"kind": tag, field: value, ...}``.
 
     Events are array-like on the wire; this form names every field (used by
-    ``zeus-async subscribe --json`` and the exporters).
+    ``zeus-async subscribe --json`` and the exporters). A field itself named ``kind``
+    (``DeviceFault.kind``) is written as ``<tag>_kind`` (``fault_kind``) so it cannot hide the
+    event's tag.
     """
-    out: dict[str, Any] = {"kind": event_kind(event)}
-    out.update(_to_builtin(event))
-    return out
+    kind = event_kind(event)
+    out: dict[str, Any] = {}
+    for name, value in _to_builtin(event).items():
+        out[f"{kind}_kind" if name == "kind" else name] = value
+    return {"kind": kind, **out}

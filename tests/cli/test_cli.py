@@ -4,28 +4,11 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+from cli_helpers import free_port, popen, run_cli
 
 from zeus_async.cli import main
-
-PY = sys.executable
-
-
-def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("ZEUS_ASYNC_SIM", None)
-    return subprocess.run(
-        [PY, "-m", "zeus_async", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        check=False,
-    )
 
 
 def test_monitor_runs_on_the_simulator_and_prints_totals() -> None:
@@ -103,32 +86,16 @@ def test_events_serialize_to_json_objects() -> None:
     data = event_to_dict(GpuSample("h", 5, 1, power_w=10.5))
     assert json.loads(json.dumps(data))["kind"] == "gpu"
     assert data["power_w"] == 10.5 and data["gpu"] == 1
+    from zeus_async.events import DeviceFault
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _popen(*args: str) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if k != "ZEUS_ASYNC_SIM"}
-    env["PYTHONUNBUFFERED"] = "1"
-    return subprocess.Popen(
-        [PY, "-m", "zeus_async", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    fault = event_to_dict(DeviceFault("h", 5, "gpu:0", "gpu_lost", "gone"))
+    assert fault["kind"] == "fault" and fault["fault_kind"] == "gpu_lost"
 
 
 def test_ctrl_c_prints_totals() -> None:
     import signal
 
-    proc = _popen("monitor", "--backend", "sim", "--refresh", "0.2")
+    proc = popen("monitor", "--backend", "sim", "--refresh", "0.2")
     assert proc.stdout is not None
     # Wait until the table is live (first refresh printed), then interrupt.
     for line in proc.stdout:
@@ -142,12 +109,12 @@ def test_ctrl_c_prints_totals() -> None:
 
 
 def test_proxy_aggregates_two_monitors_for_one_subscriber() -> None:
-    a, b, out = _free_port(), _free_port(), _free_port()
+    a, b, out = free_port(), free_port(), free_port()
     mons = [
-        _popen("monitor", "--backend", "sim", "--gpus", "0", "--publish", f"tcp://127.0.0.1:{p}")
+        popen("monitor", "--backend", "sim", "--gpus", "0", "--publish", f"tcp://127.0.0.1:{p}")
         for p in (a, b)
     ]
-    proxy = _popen(
+    proxy = popen(
         "proxy",
         "--in",
         f"tcp://127.0.0.1:{a}",

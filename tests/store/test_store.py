@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import itertools
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -34,6 +36,7 @@ from zeus_async.events import (
     WindowOpen,
 )
 from zeus_async.runtime import Runtime
+from zeus_async.runtime.hub import EventBatches
 from zeus_async.store import (
     NotARecordingError,
     Recorder,
@@ -461,3 +464,72 @@ def test_seek_time_and_events_between(tmp_path: Path) -> None:
     # Frames after t1 are not even decoded.
     list(reader.events_between(0, 15))
     assert reader.report.frames_ok == 1
+
+
+@pytest.mark.anyio
+async def test_a_flush_in_progress_completes_when_the_stream_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timer's flush, blocked in a write when the stream ends (and the timer is
+    cancelled), still writes its events: nothing taken from the buffer is lost."""
+    import zeus_async.store.recorder as recorder_module
+
+    gate = anyio.Event()
+    writes: list[int] = []
+    real_open = recorder_module._open_sink
+
+    async def slow_open(path: Path) -> object:
+        sink = await real_open(path)
+        real_write = sink.write
+
+        async def write(data: bytes) -> None:
+            writes.append(len(data))
+            if len(writes) > 1:  # the header goes through; frames wait for the gate
+                await gate.wait()
+            await real_write(data)
+
+        sink.write = write  # type: ignore[method-assign]
+        return sink
+
+    monkeypatch.setattr(recorder_module, "_open_sink", slow_open)
+    clock = FakeClock(autojump=False)
+    path = tmp_path / "r.zarc"
+    rec = Recorder(path, header=HEADER, flush_events=1000, flush_interval_s=1.0, clock=clock)
+    batches = EventBatches(100)
+    events = one_of_each()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(rec.run, batches)
+        await batches.send(events[0])
+        await batches.send(events[1])
+        while clock.sleepers == 0 or rec.pending_events < 2:
+            await anyio.lowlevel.checkpoint()
+        await clock.advance(1.0)  # the timer starts a flush, which blocks in write()
+        while len(writes) < 2:
+            await anyio.lowlevel.checkpoint()
+        batches.close()  # end of stream: the run loop cancels the timer mid-flush
+        for _ in range(20):
+            await anyio.lowlevel.checkpoint()
+        gate.set()
+    assert list(RecordingReader(path)) == events[:2]
+    assert rec.events_written == 2
+
+
+HEX_BYTE = re.compile(r"[0-9a-f]{2}")
+
+
+def test_the_documented_version_1_example_still_reads(tmp_path: Path) -> None:
+    """docs/recording-format.md's hex example (a format-1 file) decodes with this build."""
+    doc = (Path(__file__).parents[2] / "docs" / "recording-format.md").read_text()
+    blocks = doc.split("```")[1:5:2]  # the header block, then the frame block
+    data = b""
+    for block in blocks:
+        for line in block.strip().splitlines():
+            tokens = list(itertools.takewhile(HEX_BYTE.fullmatch, line.split()))
+            data += bytes.fromhex("".join(tokens))
+    path = tmp_path / "doc.zarc"
+    path.write_bytes(data)
+    reader = RecordingReader(path)
+    assert reader.format_version == 1 and reader.header.compression == "none"
+    assert reader.header.meta == {"k": "v"} and reader.header.argv == ["a"]
+    assert list(reader) == [GpuSample(host="h", t_ns=5, gpu=0, power_w=100.0)]
+    assert reader.report.clean

@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 from anyio.abc import ObjectReceiveStream
 
-from ..clock import Clock
+from ..clock import Clock, FakeClock
 from ..events import (
     DeviceFault,
     DeviceInfo,
@@ -36,7 +36,14 @@ from ..events import (
 )
 from .history import DeviceHistory, EnergyEstimate
 
-__all__ = ["EnergyEstimate", "WindowResult", "WindowTracker", "next_window_id", "pop_open_window"]
+__all__ = [
+    "EnergyEstimate",
+    "ReplayedWindows",
+    "WindowResult",
+    "WindowTracker",
+    "next_window_id",
+    "pop_open_window",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -321,14 +328,28 @@ class WindowTracker:
             if ready:
                 self._closed = [c for c in self._closed if c not in ready]
         for item in ready:
-            measurement = self._measure(item.result)
-            item.result._resolve(measurement)
-            if self.on_result is not None:
-                self.on_result(measurement)
-            if publish is not None:
-                publish(measurement)
+            self._finish(item)
         if ready:
             self._trim(now)
+
+    def _finish(self, item: _Closed) -> Measurement:
+        measurement = self._measure(item.result)
+        item.result._resolve(measurement)
+        if self.on_result is not None:
+            self.on_result(measurement)
+        if self._publish is not None:
+            self._publish(measurement)
+        return measurement
+
+    def finalize(self, window_id: int) -> Measurement | None:
+        """Finalize closed window ``window_id`` now, with the data there is (replays use it to
+        finalize where the live run did). ``None`` when no such window awaits finalization."""
+        with self._closed_lock:
+            item = next((c for c in self._closed if c.result.window_id == window_id), None)
+            if item is None:
+                return None
+            self._closed.remove(item)
+        return self._finish(item)
 
     def _complete(self, result: WindowResult) -> bool:
         for history in self.histories.values():
@@ -447,3 +468,86 @@ class WindowTracker:
         while True:
             await anyio.sleep(0.02)
             self.pump()
+
+
+class ReplayedWindows:
+    """Measures again the windows of a recorded or replayed stream, with the live code.
+
+    Feed it every event of the stream in order (:meth:`add`, or run :meth:`run` as a runtime
+    consumer of a replay): samples go to a :class:`WindowTracker` exactly as live, and the
+    recorded ``WindowOpen``/``WindowClose`` edges open and close its windows at their recorded
+    times. Time is the stream's own (the latest ``t_ns`` seen).
+
+    When a window is finalized:
+
+    * ``follow_recorded=True`` (default): where the stream holds the live ``Measurement`` of the
+      window — the live tracker published it right after the last event it had used, so the
+      replayed figures use exactly the same data and come out **identical** to the live ones.
+      A closed window without a recorded measurement is finalized by :meth:`finish`.
+    * ``follow_recorded=False``: by the live rules (data after the edge, or
+      ``finalize_timeout_s`` of stream time), for streams whose windows were never measured.
+
+    Args:
+        devices: The devices of the recording (``RecordingReader.header.devices``); GPUs not
+            listed are picked up from their samples.
+        host: Host id of the recomputed measurements (default: that of the edges).
+        finalize_timeout_s: As :class:`WindowTracker`.
+        follow_recorded: See above.
+
+    Attributes:
+        results: Recomputed measurements, in the order they were finalized.
+        recorded: The ``Measurement`` events found in the stream (what was measured live).
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[DeviceInfo] = (),
+        *,
+        host: str | None = None,
+        finalize_timeout_s: float = 0.5,
+        follow_recorded: bool = True,
+    ) -> None:
+        self.results: list[Measurement] = []
+        self.recorded: list[Measurement] = []
+        self.follow_recorded = follow_recorded
+        self._host = host
+        self._clock = FakeClock(wall_start_ns=0)
+        self._tracker = WindowTracker(
+            self._clock,
+            host or "",
+            devices,
+            finalize_timeout_s=finalize_timeout_s,
+            on_result=self.results.append,
+        )
+
+    def add(self, event: Event) -> None:
+        """Account one event of the stream (in stream order)."""
+        if event.t_ns > self._clock.monotonic_ns():
+            self._clock.set_ns(event.t_ns)
+        tracker = self._tracker
+        if isinstance(event, WindowOpen):
+            if self._host is None:
+                tracker.host = event.host
+            tracker.open(event.name, t_ns=event.t_ns, window_id=event.window_id, restart=True)
+        elif isinstance(event, WindowClose):
+            if event.name in tracker.open_windows:
+                tracker.close(event.name, cancel=event.cancelled, t_ns=event.t_ns)
+        elif isinstance(event, Measurement):
+            self.recorded.append(event)
+            if self.follow_recorded:
+                tracker.finalize(event.window_id)
+        else:
+            tracker.add(event)
+        if not self.follow_recorded:
+            tracker.pump()
+
+    def finish(self) -> list[Measurement]:
+        """Finalize what is still pending (end of the stream); returns :attr:`results`."""
+        self._tracker.pump(force=True)
+        return self.results
+
+    async def run(self, stream: ObjectReceiveStream[Event]) -> None:
+        """A runtime consumer: account every event of ``stream``, finish at its end."""
+        async for event in stream:
+            self.add(event)
+        self.finish()

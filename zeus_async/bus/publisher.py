@@ -226,6 +226,11 @@ class Publisher:
         return self._stream_topic
 
     @property
+    def pending_events(self) -> int:
+        """Events queued here (open and full batches) that the socket task has not sent yet."""
+        return self._ready_events + sum(len(batch) for batch in self._open.values())
+
+    @property
     def stream_info(self) -> StreamInfo:
         """The StreamInfo sent on each new subscription."""
         return self._stream_info

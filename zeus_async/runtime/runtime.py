@@ -34,7 +34,7 @@ from ..devices import OpenedDevices, open_devices
 from ..devices.base import Device
 from ..errors import ConfigError
 from ..events import Event, StreamInfo
-from .hub import Hub
+from .hub import EventBatches, Hub
 from .sampler import Sampler
 
 __all__ = ["DEFAULT_GPU_FIELDS", "Runtime", "WindowHandle"]
@@ -54,7 +54,9 @@ DEFAULT_GPU_FIELDS: Mapping[str, float | None] = {
     "power_limit_w": 1.0,
 }
 
-Consumer = Callable[[ObjectReceiveStream[Event]], Awaitable[None]]
+Consumer = Callable[[Any], Awaitable[None]]
+"""A consumer coroutine function: takes an ``ObjectReceiveStream[Event]`` (or an
+:class:`~zeus_async.runtime.hub.EventBatches` when started with ``batched=True``)."""
 
 
 class WindowHandle:
@@ -182,9 +184,10 @@ class Runtime:
                     pid=os.getpid(),
                     argv=list(sys.argv),
                     devices=[d.describe() for d in self.devices],
+                    compression="zstd",
                 )
                 self.recorder = Recorder(self._record, header=header, clock=self.clock)
-                self.start_consumer(self.recorder.run, max_buffer=16384)
+                self.start_consumer(self.recorder.run, max_buffer=16384, batched=True)
             if self._windows:
                 self.tracker = WindowTracker(
                     self.clock,
@@ -367,15 +370,22 @@ class Runtime:
             raise
         handle.result = self.tracker.close(name)
 
-    def start_consumer(self, consumer: Consumer, *, max_buffer: int = 4096) -> None:
+    def start_consumer(
+        self, consumer: Consumer, *, max_buffer: int = 4096, batched: bool = False
+    ) -> None:
         """Run ``consumer(stream)`` as a task of the runtime.
 
+        ``stream`` is a lossless receive stream of events (:meth:`subscribe`), or with
+        ``batched=True`` an :class:`~zeus_async.runtime.hub.EventBatches` yielding lists of
+        events (for consumers that handle events in bulk, such as the recorder).
         At shutdown the stream ends after the last event and the runtime waits (up to
         ``shutdown_timeout_s``) for the consumer to return, so nothing buffered is lost.
         """
         if self._tg is None:
             raise RuntimeError("start_consumer() needs an entered runtime")
-        stream = self.hub.subscribe(max_buffer)
+        stream: ObjectReceiveStream[Event] | EventBatches = (
+            self.hub.subscribe_batches(max_buffer) if batched else self.hub.subscribe(max_buffer)
+        )
         if self._consumers_done.is_set():
             self._consumers_done = anyio.Event()
         self._consumers_running += 1

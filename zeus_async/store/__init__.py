@@ -12,7 +12,7 @@ import logging
 
 from .format import NotARecordingError, RecordingHeader, default_header
 from .reader import RecordingReader, RecoveryReport, event_device
-from .recorder import Recorder, write_recording
+from .recorder import Recorder, recording_parts, rotated_path, write_recording
 
 __all__ = [
     "NotARecordingError",
@@ -22,6 +22,8 @@ __all__ = [
     "RecoveryReport",
     "default_header",
     "event_device",
+    "recording_parts",
+    "rotated_path",
     "write_recording",
 ]
 

@@ -8,7 +8,8 @@ implementation. Everything is in network byte order (big-endian). In short::
               body (msgpack RecordingHeader, body_len bytes)
               u32 crc32(every header byte before this field)
     frame  := "ZAFR" u32 payload_len  u32 crc32(payload)  u64 first_t_ns
-              payload (msgpack array of events, payload_len bytes)
+              payload (msgpack array of events, payload_len bytes; zstd-compressed when
+                       the header says compression="zstd")
 
 A frame is self-delimiting and self-checking, so a reader can recover every complete frame of a
 file whose writer was killed mid-write (the torn tail) and resynchronize past a damaged frame by
@@ -32,11 +33,13 @@ from collections.abc import Sequence
 from typing import Final, NamedTuple
 
 import msgspec
+import zstandard
 
 from ..errors import CodecError, SchemaVersionError
 from ..events import SCHEMA_VERSION, DeviceInfo, Event, EventEncoder
 
 __all__ = [
+    "COMPRESSIONS",
     "FILE_MAGIC",
     "FORMAT_VERSION",
     "FRAME_MAGIC",
@@ -46,10 +49,12 @@ __all__ = [
     "MAX_PAYLOAD",
     "SUPPORTED_FORMAT_VERSIONS",
     "SUPPORTED_SCHEMA_VERSIONS",
+    "ZSTD_LEVEL",
     "Buffer",
     "FramePrefix",
     "HeaderPrefix",
     "NotARecordingError",
+    "PayloadCodec",
     "RecordingHeader",
     "decode_header",
     "default_header",
@@ -67,10 +72,15 @@ logger = logging.getLogger(__name__)
 FILE_MAGIC: Final = b"ZARC"
 #: Sync marker opening every frame.
 FRAME_MAGIC: Final = b"ZAFR"
-#: Version of the file layout described above.
-FORMAT_VERSION: Final = 1
+#: Version of the file layout described above. Version 2 added frame compression (a version-1
+#: reader would take compressed payloads for damage, so the version changed).
+FORMAT_VERSION: Final = 2
 #: File layout versions this build reads.
-SUPPORTED_FORMAT_VERSIONS: Final = frozenset({FORMAT_VERSION})
+SUPPORTED_FORMAT_VERSIONS: Final = frozenset({1, 2})
+#: Frame payload codecs: ``"none"`` (plain msgpack) and ``"zstd"`` (Zstandard, default).
+COMPRESSIONS: Final = ("none", "zstd")
+#: Zstandard level of the writers (level 1: ~5 M events/s, about 7x smaller than msgpack).
+ZSTD_LEVEL: Final = 1
 #: Event schema versions this build reads.
 SUPPORTED_SCHEMA_VERSIONS: Final = frozenset({SCHEMA_VERSION})
 #: Largest header body a reader accepts (a larger length field means a damaged file).
@@ -109,6 +119,8 @@ class RecordingHeader(msgspec.Struct, kw_only=True):
         argv: Command line of the writer.
         devices: The devices the recorded runtime sampled.
         meta: Free-form string metadata (job name, git revision, ...).
+        compression: Codec of every frame payload in the file: ``"none"`` or ``"zstd"``
+            (a missing key, as in format version 1, means ``"none"``).
     """
 
     host: str = ""
@@ -117,10 +129,14 @@ class RecordingHeader(msgspec.Struct, kw_only=True):
     argv: list[str] = msgspec.field(default_factory=list)
     devices: list[DeviceInfo] = msgspec.field(default_factory=list)
     meta: dict[str, str] = msgspec.field(default_factory=dict)
+    compression: str = "none"
 
 
 def default_header(
-    *, devices: Sequence[DeviceInfo] = (), meta: dict[str, str] | None = None
+    *,
+    devices: Sequence[DeviceInfo] = (),
+    meta: dict[str, str] | None = None,
+    compression: str = "zstd",
 ) -> RecordingHeader:
     """A header describing the current process (host name, now, pid, ``sys.argv``)."""
     return RecordingHeader(
@@ -130,7 +146,44 @@ def default_header(
         argv=list(sys.argv),
         devices=list(devices),
         meta=dict(meta or {}),
+        compression=compression,
     )
+
+
+class PayloadCodec:
+    """Compresses frame payloads on write and expands them on read, per the header's codec.
+
+    Raises:
+        CodecError: An unknown codec name.
+    """
+
+    def __init__(self, compression: str) -> None:
+        if compression not in COMPRESSIONS:
+            raise CodecError(
+                f"unknown recording compression {compression!r} (known: {list(COMPRESSIONS)})"
+            )
+        self.compression = compression
+        self._c: zstandard.ZstdCompressor | None = None
+        self._d: zstandard.ZstdDecompressor | None = None
+        if compression == "zstd":
+            self._c = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+            self._d = zstandard.ZstdDecompressor()
+
+    def compress(self, payload: bytes) -> bytes:
+        return payload if self._c is None else self._c.compress(payload)
+
+    def expand(self, stored: bytes) -> bytes:
+        """The msgpack payload of stored frame bytes.
+
+        Raises:
+            CodecError: Bytes that do not decompress (damage the CRC did not catch).
+        """
+        if self._d is None:
+            return stored
+        try:
+            return self._d.decompress(stored, max_output_size=MAX_PAYLOAD)
+        except zstandard.ZstdError as exc:
+            raise CodecError(f"frame does not decompress: {exc}") from None
 
 
 class HeaderPrefix(NamedTuple):
@@ -229,6 +282,8 @@ def decode_header(
         header = _header_decoder.decode(data[HEADER_PREFIX_SIZE:end])
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise CodecError(f"invalid recording header: {exc}") from None
+    if header.compression not in COMPRESSIONS:
+        raise CodecError(f"unknown recording compression {header.compression!r}")
     return prefix, header, end + _CRC.size
 
 
@@ -251,8 +306,15 @@ def unpack_frame_prefix(data: Buffer, offset: int = 0) -> FramePrefix | None:
     return FramePrefix(length, crc, t_ns)
 
 
-def encode_frame(events: Sequence[Event], encoder: EventEncoder | None = None) -> bytes:
+def encode_frame(
+    events: Sequence[Event],
+    encoder: EventEncoder | None = None,
+    codec: PayloadCodec | None = None,
+) -> bytes:
     """Encode a non-empty batch of events as one complete frame (prefix + payload).
+
+    ``codec`` compresses the payload (the file's :attr:`RecordingHeader.compression`); without
+    one the payload is plain msgpack.
 
     Raises:
         CodecError: No events, a first ``t_ns`` outside u64, or a payload over 4 GiB.
@@ -260,6 +322,8 @@ def encode_frame(events: Sequence[Event], encoder: EventEncoder | None = None) -
     if not events:
         raise CodecError("a frame needs at least one event")
     payload = (encoder or EventEncoder()).encode(list(events))
+    if codec is not None:
+        payload = codec.compress(payload)
     if len(payload) > MAX_PAYLOAD:
         raise CodecError(f"frame payload too large ({len(payload)} bytes)")
     first_t_ns = events[0].t_ns

@@ -57,6 +57,7 @@ from .format import (
     HEADER_PREFIX_SIZE,
     FramePrefix,
     HeaderPrefix,
+    PayloadCodec,
     RecordingHeader,
     decode_header,
     unpack_frame_prefix,
@@ -143,7 +144,9 @@ _Buffer = mmap.mmap | bytes
 _Valid = tuple[FramePrefix, list[Event]]
 
 
-def _validate(buf: _Buffer, pos: int, end: int, decoder: EventDecoder) -> _Valid | str:
+def _validate(
+    buf: _Buffer, pos: int, end: int, decoder: EventDecoder, codec: PayloadCodec
+) -> _Valid | str:
     """The frame at ``pos`` and its events, or why it is not a valid frame."""
     if end - pos < FRAME_PREFIX_SIZE:
         return _TRUNCATED
@@ -157,7 +160,7 @@ def _validate(buf: _Buffer, pos: int, end: int, decoder: EventDecoder) -> _Valid
     if zlib.crc32(payload) != prefix.crc:
         return "payload checksum mismatch"
     try:
-        events = decoder.decode_batch(payload)
+        events = decoder.decode_batch(codec.expand(payload))
     except CodecError:
         return "undecodable payload"
     if not events:
@@ -167,11 +170,13 @@ def _validate(buf: _Buffer, pos: int, end: int, decoder: EventDecoder) -> _Valid
     return prefix, events
 
 
-def _resync(buf: _Buffer, pos: int, end: int, decoder: EventDecoder) -> int | None:
+def _resync(
+    buf: _Buffer, pos: int, end: int, decoder: EventDecoder, codec: PayloadCodec
+) -> int | None:
     """Offset of the first valid frame at or after ``pos``, or ``None``."""
     i = buf.find(FRAME_MAGIC, pos, end)
     while i != -1:
-        if not isinstance(_validate(buf, i, end, decoder), str):
+        if not isinstance(_validate(buf, i, end, decoder, codec), str):
             return i
         i = buf.find(FRAME_MAGIC, i + 1, end)
     return None
@@ -182,6 +187,7 @@ def _frames(
     start: int,
     end: int,
     report: RecoveryReport,
+    codec: PayloadCodec,
     *,
     stop_t_ns: int | None = None,
 ) -> Iterator[tuple[int, int, list[Event]]]:
@@ -189,7 +195,7 @@ def _frames(
     decoder = EventDecoder()
     pos = start
     while pos < end:
-        result = _validate(buf, pos, end, decoder)
+        result = _validate(buf, pos, end, decoder, codec)
         if not isinstance(result, str):
             prefix, events = result
             if stop_t_ns is not None and prefix.first_t_ns >= stop_t_ns:
@@ -199,7 +205,7 @@ def _frames(
             yield pos, prefix.first_t_ns, events
             pos += FRAME_PREFIX_SIZE + prefix.payload_len
             continue
-        found = _resync(buf, pos + 1, end, decoder)
+        found = _resync(buf, pos + 1, end, decoder, codec)
         if found is None and result in (_TRUNCATED, _PAST_END):
             report.torn_tail_offset = pos
             report.torn_tail_bytes = end - pos
@@ -244,6 +250,7 @@ class RecordingReader:
             head += f.read(prefix.body_len + 4)
         _, header, self.data_offset = decode_header(head)
         self.header: RecordingHeader = header
+        self._codec = PayloadCodec(header.compression)
         self.format_version = prefix.format_version
         self.schema_version = prefix.schema_version
         self.report = RecoveryReport()
@@ -267,7 +274,7 @@ class RecordingReader:
         self, start: int, report: RecoveryReport, *, stop_t_ns: int | None = None
     ) -> Generator[tuple[int, int, list[Event]], None, None]:
         with self._mapped() as (buf, end):
-            yield from _frames(buf, start, end, report, stop_t_ns=stop_t_ns)
+            yield from _frames(buf, start, end, report, self._codec, stop_t_ns=stop_t_ns)
 
     def _new_report(self) -> RecoveryReport:
         self.report = RecoveryReport()
@@ -354,7 +361,7 @@ class RecordingReader:
                     prefix = unpack_frame_prefix(buf, pos)
                     nxt = pos + FRAME_PREFIX_SIZE + prefix.payload_len if prefix else end + 1
                     if prefix is None or nxt > end:
-                        found = _resync(buf, pos + 1, end, decoder)
+                        found = _resync(buf, pos + 1, end, decoder, self._codec)
                         if found is None:
                             break
                         pos = found

@@ -16,20 +16,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
 import aiofiles
 import anyio
+import msgspec
 from anyio.abc import ObjectReceiveStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ..clock import Clock, RealClock
 from ..errors import ConfigError
 from ..events import Event, EventEncoder
-from .format import RecordingHeader, default_header, encode_frame, encode_header
+from ..runtime.hub import EventBatches
+from .format import (
+    PayloadCodec,
+    RecordingHeader,
+    default_header,
+    encode_frame,
+    encode_header,
+)
 
-__all__ = ["Recorder", "write_recording"]
+__all__ = ["Recorder", "recording_parts", "rotated_path", "write_recording"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +105,44 @@ async def _open_sink(path: Path) -> _Sink:
     return _AnyioSink(await anyio.open_file(path, "wb"))
 
 
+def rotated_path(path: Path, part: int) -> Path:
+    """File name of part ``part`` of a rotated recording: ``run.zarc``, ``run.1.zarc``, ..."""
+    if part == 0:
+        return path
+    return path.with_name(f"{path.stem}.{part}{path.suffix}")
+
+
+def recording_parts(path: str | os.PathLike[str]) -> list[Path]:
+    """The files of a (possibly rotated) recording, in order: ``path`` then its existing parts."""
+    first = Path(path)
+    parts = [first]
+    while (nxt := rotated_path(first, len(parts))).exists():
+        parts.append(nxt)
+    return parts
+
+
+async def _drain(stream: ObjectReceiveStream[Event]) -> AsyncIterator[list[Event]]:
+    """Adapt a plain event stream to batches: wait for one event, then take what is buffered."""
+    while True:
+        try:
+            first = await stream.receive()
+        except anyio.EndOfStream:
+            return
+        batch = [first]
+        if not isinstance(stream, MemoryObjectReceiveStream):
+            yield batch
+            continue
+        try:
+            while len(batch) < 65536:
+                batch.append(stream.receive_nowait())
+        except anyio.WouldBlock:
+            pass
+        except anyio.EndOfStream:
+            yield batch
+            return
+        yield batch
+
+
 class Recorder:
     """Writes every event of a stream to a recording file.
 
@@ -105,16 +152,22 @@ class Recorder:
         flush_events: Write a frame once this many events are buffered.
         flush_interval_s: Write a frame once this long has passed since the first buffered
             event (measured on ``clock``).
-        fsync_on_close: fsync the file when the stream ends.
+        fsync_on_close: fsync the file when the stream ends (and each rotated part).
+        rotate_bytes: Start a new part once a file reaches this size: ``run.zarc``, then
+            ``run.1.zarc``, ``run.2.zarc``, ... Each part is a complete recording with its own
+            header (``meta["part"]`` numbers it); :func:`recording_parts` lists them.
+            ``None`` (default): one file.
         clock: Clock of the flush timer (default: the real clock).
 
     Attributes:
         events_written: Events written in frames so far.
         frames_written: Frames written so far.
-        bytes_written: Bytes written so far, header included.
+        bytes_written: Bytes written so far, headers included, over all parts.
+        paths: The files written so far (more than one after rotation).
 
     Raises:
-        ConfigError: ``flush_events < 1`` or ``flush_interval_s <= 0``.
+        ConfigError: ``flush_events < 1``, ``flush_interval_s <= 0`` or ``rotate_bytes`` too
+            small to hold a header.
     """
 
     def __init__(
@@ -125,51 +178,58 @@ class Recorder:
         flush_events: int = 4096,
         flush_interval_s: float = 1.0,
         fsync_on_close: bool = True,
+        rotate_bytes: int | None = None,
         clock: Clock | None = None,
     ) -> None:
         if flush_events < 1:
             raise ConfigError(f"flush_events must be at least 1, got {flush_events!r}")
         if not flush_interval_s > 0:
             raise ConfigError(f"flush_interval_s must be positive, got {flush_interval_s!r}")
+        if rotate_bytes is not None and rotate_bytes < 4096:
+            raise ConfigError(f"rotate_bytes must be at least 4096, got {rotate_bytes!r}")
         self.path = Path(path)
         self.header = header
         self.flush_events = flush_events
         self.flush_interval_s = flush_interval_s
         self.fsync_on_close = fsync_on_close
+        self.rotate_bytes = rotate_bytes
         self.clock: Clock = clock or RealClock()
         self.events_written = 0
         self.frames_written = 0
         self.bytes_written = 0
+        self.paths: list[Path] = []
         self._buf: list[Event] = []
         self._encoder = EventEncoder()
+        self._codec = PayloadCodec("none")
         self._sink: _Sink | None = None
+        self._file_bytes = 0
+        self._part_frames = 0
         self._lock: anyio.Lock | None = None
         self._armed: anyio.Event | None = None
         self._first_buffered_ns = 0
 
-    async def run(self, stream: ObjectReceiveStream[Event]) -> None:
+    async def run(self, stream: ObjectReceiveStream[Event] | EventBatches) -> None:
         """Record ``stream`` until it ends (a :class:`~zeus_async.runtime.Runtime` consumer).
 
+        ``stream`` is a plain event stream or, cheaper per event, an
+        :class:`~zeus_async.runtime.hub.EventBatches` (``start_consumer(..., batched=True)``).
         The header is written first; the last frame is written and the file fsync'ed when the
         stream ends, and also (shielded) if the task is cancelled.
         """
-        if self._sink is not None:
+        if self._lock is not None:
             raise RuntimeError("a Recorder records one stream at a time")
-        header = self.header if self.header is not None else default_header()
         self._lock = anyio.Lock()
         self._armed = anyio.Event()
-        sink = await _open_sink(self.path)
-        self._sink = sink
+        batches = stream if isinstance(stream, EventBatches) else _drain(stream)
         try:
-            await self._write(encode_header(header))
-            await sink.flush()
+            await self._open_part()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._timer)
-                async for event in stream:
-                    self._buf.append(event)
-                    if len(self._buf) == 1:
+                async for batch in batches:
+                    if not self._buf:
                         self._first_buffered_ns = self.clock.monotonic_ns()
                         self._armed.set()
+                    self._buf.extend(batch)
                     if len(self._buf) >= self.flush_events:
                         await self.flush()
                 tg.cancel_scope.cancel()
@@ -177,18 +237,40 @@ class Recorder:
             with anyio.CancelScope(shield=True):
                 try:
                     await self.flush()
-                    if self.fsync_on_close:
-                        await sink.fsync()
                 finally:
-                    self._sink = None
-                    await sink.aclose()
+                    await self._close_part()
                     logger.debug(
                         "recorded %d events in %d frames (%d bytes) to %s",
                         self.events_written,
                         self.frames_written,
                         self.bytes_written,
-                        self.path,
+                        ", ".join(map(str, self.paths)),
                     )
+
+    async def _open_part(self) -> None:
+        header = self.header if self.header is not None else default_header()
+        self.header = header
+        self._codec = PayloadCodec(header.compression)
+        part = len(self.paths)
+        if part:
+            header = msgspec.structs.replace(header, meta={**header.meta, "part": str(part)})
+        path = rotated_path(self.path, part)
+        self._sink = await _open_sink(path)
+        self.paths.append(path)
+        self._file_bytes = 0
+        self._part_frames = 0
+        await self._write(encode_header(header))
+        await self._sink.flush()
+
+    async def _close_part(self) -> None:
+        sink, self._sink = self._sink, None
+        if sink is None:
+            return
+        try:
+            if self.fsync_on_close:
+                await sink.fsync()
+        finally:
+            await sink.aclose()
 
     @property
     def pending_events(self) -> int:
@@ -208,25 +290,49 @@ class Recorder:
         assert self._sink is not None
         await self._sink.write(data)
         self.bytes_written += len(data)
+        self._file_bytes += len(data)
 
     async def flush(self) -> None:
-        """Write the buffered events as one frame and push it to the OS (no-op when empty).
+        """Write the buffered events as frames and push them to the OS (no-op when empty).
 
-        Does nothing when the recorder is not running.
+        Buffered events are cut into frames of at most ``flush_events``. Does nothing when the
+        recorder is not running.
         """
         if self._sink is None or self._lock is None:
             return
-        async with self._lock:
+        # Shielded: once events leave the buffer they must reach the file, even if the task
+        # that started the flush (the timer, cancelled at the end of the stream) is cancelled.
+        with anyio.CancelScope(shield=True):
+            await self._flush_locked(self._lock)
+
+    async def _flush_locked(self, lock: anyio.Lock) -> None:
+        async with lock:
             if not self._buf:
                 return
             events, self._buf = self._buf, []
             assert self._armed is not None
             self._armed = anyio.Event()
-            frame = encode_frame(events, self._encoder)
-            await self._write(frame)
+            step = self.flush_events
+            pending: list[bytes] = []
+            for i in range(0, len(events), step):
+                frame = encode_frame(events[i : i + step], self._encoder, self._codec)
+                if (
+                    self.rotate_bytes is not None
+                    and self._file_bytes + sum(map(len, pending)) + len(frame) > self.rotate_bytes
+                    and (self._part_frames or pending)
+                ):
+                    await self._write(b"".join(pending))
+                    pending = []
+                    await self._close_part()
+                    await self._open_part()
+                pending.append(frame)
+                self._part_frames += 1
+            await self._write(pending[0] if len(pending) == 1 else b"".join(pending))
+            assert self._sink is not None
             await self._sink.flush()
+            # Counted once the frames reached the OS, so a reader sees what the counters say.
             self.events_written += len(events)
-            self.frames_written += 1
+            self.frames_written += -(-len(events) // step)
 
 
 def write_recording(
@@ -252,17 +358,19 @@ def write_recording(
     if events_per_frame < 1:
         raise ConfigError(f"events_per_frame must be at least 1, got {events_per_frame!r}")
     encoder = EventEncoder()
+    header = header if header is not None else default_header()
+    codec = PayloadCodec(header.compression)
     frames = 0
     batch: list[Event] = []
     with Path(path).open("wb") as f:
-        f.write(encode_header(header if header is not None else default_header()))
+        f.write(encode_header(header))
         for event in events:
             batch.append(event)
             if len(batch) >= events_per_frame:
-                f.write(encode_frame(batch, encoder))
+                f.write(encode_frame(batch, encoder, codec))
                 frames += 1
                 batch = []
         if batch:
-            f.write(encode_frame(batch, encoder))
+            f.write(encode_frame(batch, encoder, codec))
             frames += 1
     return frames

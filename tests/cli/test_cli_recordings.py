@@ -1,0 +1,149 @@
+"""The recording commands as real processes: inspect, export, replay, record, plot."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from cli_helpers import free_port, popen, run_cli
+
+from zeus_async.events import GpuSample, Measurement, event_to_dict
+from zeus_async.store import RecordingReader, recording_parts
+
+
+def test_inspect_summarizes(recordings: Path) -> None:
+    proc = run_cli("inspect", str(recordings / "sim_windows.zarc"))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "compression zstd" in out and "(complete)" in out
+    assert "gpu:0: NVIDIA H100 80GB HBM3 (hopper, energy counter" in out
+    assert "gpu:1" in out and "no energy counter" in out
+    assert "6 measured window(s)" in out and "train" in out and "step-3" in out
+    assert "counter+extrapolated" in out and "integrated" in out
+
+
+def test_inspect_reports_a_torn_tail(recordings: Path) -> None:
+    proc = run_cli("inspect", str(recordings / "sim_windows_torn.zarc"))
+    assert proc.returncode == 0, proc.stderr
+    assert "DAMAGED" in proc.stdout and "torn tail" in proc.stdout
+
+
+def test_export_jsonl_and_csv(recordings: Path, tmp_path: Path) -> None:
+    src = recordings / "sim_windows.zarc"
+    events = list(RecordingReader(src))
+    proc = run_cli("export", str(src), "--format", "jsonl")
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert lines == [json.loads(json.dumps(event_to_dict(e))) for e in events]
+    out = tmp_path / "gpu.csv"
+    proc = run_cli("export", str(src), "--format", "csv", "--kind", "gpu", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    gpu = [e for e in events if isinstance(e, GpuSample)]
+    assert f"exported {len(gpu)} events to {out}" in proc.stdout
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == len(gpu)
+    assert [float(r["power_w"]) for r in rows] == [e.power_w for e in gpu]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["inspect", "/nonexistent.zarc"], "No such file"),
+        (["export", "{here}", "--format", "xml"], "invalid choice"),
+        (["export", "{here}", "--format", "csv", "--kind", "nope"], "unknown event kind"),
+        (["replay", "{here}", "--speed", "0"], "positive factor"),
+        (["inspect", "{self}"], "not a zeus_async recording"),
+    ],
+)
+def test_bad_input_is_one_line(args: list[str], message: str, recordings: Path) -> None:
+    args = [
+        a.replace("{here}", str(recordings / "sim_windows.zarc")).replace("{self}", __file__)
+        for a in args
+    ]
+    proc = run_cli(*args)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_replay_measures_the_windows_again(recordings: Path, tmp_path: Path) -> None:
+    again = tmp_path / "again.zarc"
+    proc = run_cli(
+        "replay", str(recordings / "sim_windows.zarc"), "--speed", "max", "--record", str(again)
+    )
+    assert proc.returncode == 0, proc.stderr
+    n = sum(1 for _ in RecordingReader(recordings / "sim_windows.zarc"))
+    assert f"replayed {n} events" in proc.stdout
+    assert proc.stdout.count("(= recorded)") == 6 and "(differs)" not in proc.stdout
+    original = list(RecordingReader(recordings / "sim_windows.zarc"))
+    assert [e for e in RecordingReader(again) if e in original] == original
+
+
+@pytest.mark.slow
+def test_replay_publishes_to_a_subscriber_process(recordings: Path) -> None:
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    src = recordings / "sim_windows.zarc"
+    replay = popen(
+        "replay", str(src), "--speed", "4", "--publish", endpoint, "--wait-subscriber", "20"
+    )
+    try:
+        want = [event_to_dict(e) for e in RecordingReader(src) if isinstance(e, GpuSample)]
+        sub = run_cli("subscribe", endpoint, "--json", "--topic", "gpu/", "--count", str(len(want)))
+        assert sub.returncode == 0, sub.stderr
+        got = [json.loads(line) for line in sub.stdout.splitlines()]
+        want = json.loads(json.dumps(want))
+        # Same events and timestamps; per GPU (one bus topic each) in the same order.
+        for gpu in (0, 1):
+            assert [e for e in got if e["gpu"] == gpu] == [e for e in want if e["gpu"] == gpu]
+        assert len(got) == len(want)
+        _, err = replay.communicate(timeout=60)
+        assert replay.returncode == 0, err
+    finally:
+        if replay.poll() is None:
+            replay.kill()
+            replay.communicate()
+
+
+@pytest.mark.slow
+def test_record_a_remote_stream(tmp_path: Path) -> None:
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    mon = popen("monitor", "--backend", "sim", "--gpus", "0,1", "--publish", endpoint)
+    out_file = tmp_path / "remote.zarc"
+    try:
+        rec = run_cli(
+            "record", endpoint, "-o", str(out_file), "--duration", "3.5", "--rotate-mb", "0.005"
+        )
+        assert rec.returncode == 0, rec.stderr
+        assert "0 frame(s) lost" in rec.stdout
+    finally:
+        mon.terminate()
+        mon.communicate(timeout=30)
+    parts = recording_parts(out_file)
+    assert len(parts) >= 2  # rotated at 5 kB
+    events = [e for p in parts for e in RecordingReader(p)]
+    reader = RecordingReader(out_file)
+    assert [d.key for d in reader.header.devices] == ["gpu:0", "gpu:1"]
+    assert reader.header.meta["recorded_from"] == endpoint
+    assert RecordingReader(parts[1]).header.meta["part"] == "1"
+    samples = [e for e in events if isinstance(e, GpuSample)]
+    assert {s.gpu for s in samples} == {0, 1} and len(samples) > 100
+    for gpu in (0, 1):
+        ts = [s.t_ns for s in samples if s.gpu == gpu]
+        assert ts == sorted(ts)
+
+
+def test_plot_writes_a_png(recordings: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "power.png"
+    proc = run_cli("plot", str(recordings / "sim_windows.zarc"), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_measurements_in_the_committed_file_are_complete(recordings: Path) -> None:
+    ms = [e for e in RecordingReader(recordings / "sim_windows.zarc") if isinstance(e, Measurement)]
+    assert all(set(m.gpu_energy_j) == {0, 1} for m in ms)

@@ -1,0 +1,463 @@
+"""Recording analysis: series, energy over intervals, totals, windows, export (hand-built
+recordings with exact values, and a simulator run checked against its ground truth)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+import zeus_async.store.progress as progress_module
+from zeus_async.clock import FakeClock
+from zeus_async.devices.sim import SimConfig
+from zeus_async.devices.sim_config import GpuOverride
+from zeus_async.devices.sim_workload import ConstantWorkload, SquareWorkload
+from zeus_async.errors import ConfigError
+from zeus_async.events import (
+    EVENT_TYPES,
+    ClockChange,
+    DeviceFault,
+    DeviceInfo,
+    Event,
+    GpuSample,
+    Heartbeat,
+    Measurement,
+    PowerLimitChange,
+    ProcessSample,
+    RaplSample,
+    StreamInfo,
+    WindowClose,
+    WindowOpen,
+    event_to_dict,
+)
+from zeus_async.runtime import Runtime
+from zeus_async.store import RecordingHeader, RecordingReader, write_recording
+from zeus_async.store.analysis import (
+    PROGRESS_EVERY,
+    Recording,
+    csv_columns,
+    export_csv,
+    export_jsonl,
+)
+from zeus_async.testing import sim_pynvml
+
+MS = 1_000_000
+T0 = 1_000_000_000  # small enough that every time is exact as a float
+H = "node1"
+# Energy of each 100 ms counter period of gpu:0 (J); the power reading stays at 200 W.
+PERIODS = [20.0, 30.0] * 5
+HEADER = RecordingHeader(
+    host=H,
+    start_wall_ns=T0 - 5 * MS,
+    devices=[
+        DeviceInfo(key="gpu:0", name="H100", arch="hopper", has_energy_counter=True),
+        DeviceInfo(key="gpu:1", name="P100", arch="pascal"),
+        DeviceInfo(key="cpu:0", name="Xeon", arch="cpu"),
+    ],
+)
+MEASUREMENT = Measurement(
+    H,
+    T0 + 1010 * MS,
+    "step",
+    1,
+    T0 + 100 * MS,
+    T0 + 600 * MS,
+    0.5,
+    {0: 125.0, 1: 80.0},
+    {0: 45.0},
+    {0: 5.0},
+    {"gpu:0": "counter+interpolated", "gpu:1": "integrated"},
+    [],
+)
+
+
+def hand_events() -> list[Event]:
+    """gpu:0 with a counter, pre-Volta gpu:1, RAPL package + dram, two processes, a window."""
+    events: list[Event] = [StreamInfo(H, T0 - 5 * MS, "s1", devices=HEADER.devices)]
+    counter = 1000.0
+    for k in range(101):
+        t = T0 + k * 10 * MS
+        if k and k % 10 == 0:
+            counter += PERIODS[k // 10 - 1]
+        temp = 50.0 + k // 10 if k % 10 == 0 else None
+        events.append(GpuSample(H, t, 0, power_w=200.0, energy_j=counter, temperature_c=temp))
+        if k % 50 == 0:
+            half = k // 50
+            events.append(GpuSample(H, t, 1, power_w=[100.0, 200.0, 100.0][half]))
+            events.append(
+                RaplSample(H, t, 0, "package", [0.0, 40.0, 100.0][half], [None, 80.0, 120.0][half])
+            )
+            if half != 1:
+                events.append(RaplSample(H, t, 0, "dram", 5.0 * half, 10.0 if half else None))
+            events.append(
+                ProcessSample(
+                    H, t, 42, cpu_frac=0.25, gpu=0, attributed_power_w=[50.0, 100.0, 50.0][half]
+                )
+            )
+            events.append(ProcessSample(H, t, 43, cpu_frac=0.5))
+        if k == 10:
+            events.append(WindowOpen(H, T0 + 100 * MS, "step", 1))
+        if k == 60:
+            events.append(WindowClose(H, T0 + 600 * MS, "step", 1))
+    events.append(MEASUREMENT)
+    return events
+
+
+@pytest.fixture
+def rec_path(tmp_path: Path) -> Path:
+    path = tmp_path / "hand.zarc"
+    write_recording(path, hand_events(), HEADER, events_per_frame=16)
+    return path
+
+
+def test_names_duration_and_series(rec_path: Path) -> None:
+    rec = Recording(rec_path)
+    assert rec.header == HEADER
+    assert rec.report.clean and rec.report.events_ok == len(hand_events())
+    assert (rec.start_ns, rec.end_ns) == (T0 - 5 * MS, T0 + 1010 * MS)
+    assert rec.duration_s == pytest.approx(1.015)
+    assert rec.devices() == [
+        "gpu:0",
+        "gpu:1",
+        "cpu:0/dram",
+        "cpu:0/package",
+        "proc:42/gpu:0",
+        "proc:43",
+    ]
+    assert rec.metrics() == [
+        "gpu.power_w",
+        "gpu.energy_j",
+        "gpu.temperature_c",
+        "rapl.energy_j",
+        "rapl.power_w",
+        "proc.cpu_frac",
+        "proc.attributed_power_w",
+    ]
+    assert rec.metrics("gpu:1") == ["gpu.power_w"]
+    assert rec.metrics("cpu:0") == ["rapl.energy_j", "rapl.power_w"]  # cpu:0 = its package
+    assert rec.devices("gpu.energy_j") == ["gpu:0"]
+    assert rec.devices("proc.cpu_frac") == ["proc:42/gpu:0", "proc:43"]
+
+    temps = rec.series("gpu.temperature_c", "gpu:0")
+    assert temps.device == "gpu:0" and temps.metric == "gpu.temperature_c"
+    assert temps.t_ns == [T0 + k * 100 * MS for k in range(11)]
+    assert temps.values == [50.0 + k for k in range(11)]  # the None readings are left out
+    assert temps.seconds()[:2] == [0.005, 0.105]
+    assert len(temps) == 11
+    power = rec.series("rapl.power_w", "cpu:0")
+    assert power.device == "cpu:0/package"
+    assert power.t_ns == [T0 + 500 * MS, T0 + 1000 * MS] and power.values == [80.0, 120.0]
+    counter = rec.series("gpu.energy_j", "gpu:0")
+    assert counter.values[0] == 1000.0 and counter.values[-1] == 1000.0 + sum(PERIODS)
+    assert rec.series("proc.attributed_power_w", "proc:42/gpu:0").values == [50.0, 100.0, 50.0]
+    assert rec.windows() == [MEASUREMENT]
+
+
+def test_energy_over_intervals_is_exact(rec_path: Path) -> None:
+    rec = Recording(rec_path)
+    # Counter updates are seen at the midpoints 95 ms, 195 ms, ... 995 ms.
+    e = rec.energy("gpu:0", T0 + 95 * MS, T0 + 995 * MS)
+    assert e.method == "counter+interpolated"
+    assert e.energy_j == pytest.approx(sum(PERIODS[1:]), rel=1e-12)
+    # Half of period 2 (30 J) and half of period 3 (20 J), split in proportion to time.
+    e = rec.energy("gpu:0", T0 + 145 * MS, T0 + 245 * MS)
+    assert e.method == "counter+interpolated"
+    assert e.energy_j == pytest.approx(25.0, rel=1e-12)
+    # Whole span: counter inside, 200 W over the 95 ms before and 5 ms after it.
+    e = rec.energy("gpu:0")
+    assert e.method == "counter+extrapolated"
+    assert e.energy_j == pytest.approx(sum(PERIODS[1:]) + 19.0 + 1.0, rel=1e-12)
+    # Pre-Volta: trapezoid over 100 W, 200 W, 100 W at 0, 0.5, 1 s.
+    e = rec.energy("gpu:1")
+    assert e.method == "integrated" and e.energy_j == pytest.approx(150.0)
+    e = rec.energy("gpu:1", T0 + 250 * MS, T0 + 750 * MS)
+    assert e.energy_j == pytest.approx(118.75 - 31.25)  # cumulative at 750 ms minus at 250 ms
+    # RAPL: every reading is a point of the counter.
+    e = rec.energy("cpu:0", T0 + 250 * MS, T0 + 750 * MS)
+    assert e.method == "counter+interpolated"
+    assert e.energy_j == pytest.approx(20.0 + 30.0)
+    assert rec.energy("cpu:0/dram").energy_j == pytest.approx(10.0)
+    assert rec.energy("gpu:0", T0, T0).energy_j == 0.0
+
+
+def test_totals_and_total(rec_path: Path) -> None:
+    rec = Recording(rec_path)
+    totals = rec.totals()
+    assert list(totals.devices) == ["gpu:0", "gpu:1", "cpu:0/dram", "cpu:0/package"]
+    g0 = totals.devices["gpu:0"]
+    assert (g0.start_ns, g0.end_ns, g0.duration_s) == (T0, T0 + 1000 * MS, 1.0)
+    assert g0.energy_j == pytest.approx(250.0) and g0.mean_power_w == pytest.approx(250.0)
+    assert g0.method == "counter+extrapolated"
+    assert totals.devices["gpu:1"].method == "integrated"
+    assert totals.devices["cpu:0/package"].mean_power_w == pytest.approx(100.0)
+    assert totals.gpu_energy_j == pytest.approx(400.0)
+    assert totals.cpu_energy_j == pytest.approx(100.0)
+    assert totals.dram_energy_j == pytest.approx(10.0)
+    assert totals.total_energy_j == pytest.approx(510.0)
+    assert totals.duration_s == pytest.approx(1.015)
+    as_dict = json.loads(json.dumps(totals.to_dict()))
+    assert as_dict["devices"]["gpu:1"]["energy_j"] == pytest.approx(150.0)
+    assert as_dict["total_energy_j"] == pytest.approx(510.0)
+
+    assert rec.total("gpu.energy_j") == pytest.approx(250.0)  # gpu:1 has no counter
+    assert rec.total("gpu.power_w") == pytest.approx(200.0 + 150.0)  # integrated over time
+    assert rec.total("gpu.power_w", "gpu:1") == pytest.approx(150.0)
+    assert rec.total("rapl.energy_j") == pytest.approx(110.0)  # package + dram
+    assert rec.total("rapl.energy_j", "cpu:0/dram") == pytest.approx(10.0)
+    assert rec.total("rapl.power_w") == pytest.approx(50.0)  # 80 W .. 120 W over 0.5 s
+    assert rec.total("proc.attributed_power_w") == pytest.approx(75.0)
+
+
+def test_unknown_names_are_config_errors(rec_path: Path) -> None:
+    rec = Recording(rec_path)
+    with pytest.raises(ConfigError, match=r"unknown metric 'gpu\.nope'.*gpu\.power_w"):
+        rec.series("gpu.nope", "gpu:0")
+    with pytest.raises(ConfigError, match=r"unknown metric 'gpu\.avg_power_w'"):
+        rec.total("gpu.avg_power_w")  # a real field, but never recorded here
+    with pytest.raises(ConfigError, match=r"unknown device 'gpu:7'.*available: gpu:0, gpu:1"):
+        rec.series("gpu.power_w", "gpu:7")
+    with pytest.raises(ConfigError, match=r"unknown device 'gpu:1'.*available: gpu:0$"):
+        rec.series("gpu.energy_j", "gpu:1")
+    with pytest.raises(ConfigError, match=r"unknown device 'proc:43'.*gpu:0, gpu:1, cpu:0"):
+        rec.energy("proc:43")
+    with pytest.raises(ConfigError, match="unknown device"):
+        rec.metrics("gpu:9")
+    with pytest.raises(ConfigError, match=r"energy \(\*energy_j\) or power"):
+        rec.total("gpu.temperature_c")
+    with pytest.raises(ConfigError, match="ends before it starts"):
+        rec.energy("gpu:0", T0 + MS, T0)
+
+
+def test_hosts_are_told_apart(tmp_path: Path) -> None:
+    path = tmp_path / "two.zarc"
+    events: list[Event] = [
+        GpuSample(host, T0 + k * MS, 0, power_w=p)
+        for k in range(2)
+        for host, p in [("b", 2.0), ("a", 1.0)]
+    ]
+    write_recording(path, events, HEADER)
+    rec = Recording(path)
+    assert rec.devices() == ["gpu:0@a", "gpu:0@b"]
+    assert rec.series("gpu.power_w", "gpu:0@b").values == [2.0, 2.0]
+    assert rec.totals().gpu_energy_j == pytest.approx(0.001 + 0.002)  # 1 W and 2 W for 1 ms
+
+
+def test_torn_file_still_analyzes(rec_path: Path) -> None:
+    data = rec_path.read_bytes()
+    rec_path.write_bytes(data[:-7])
+    rec = Recording(rec_path)
+    assert rec.report.torn_tail_offset is not None and rec.report.torn_tail_bytes > 0
+    assert rec.report.corrupt_frames == []
+    kept = list(RecordingReader(rec_path))
+    assert rec.report.events_ok == len(kept) < len(hand_events())
+    assert rec.end_ns == max(e.t_ns for e in kept)
+    # The last frame (every sample at 1000 ms and the measurement) was torn off.
+    assert rec.end_ns == T0 + 990 * MS
+    assert rec.windows() == []
+    assert rec.energy("gpu:1").energy_j == pytest.approx(75.0)  # 100 W .. 200 W over 0.5 s
+    assert rec.energy("gpu:0", T0 + 145 * MS, T0 + 245 * MS).energy_j == pytest.approx(25.0)
+
+
+def test_empty_recording(tmp_path: Path) -> None:
+    path = tmp_path / "empty.zarc"
+    write_recording(path, [], HEADER)
+    rec = Recording.load(path)
+    assert (rec.start_ns, rec.end_ns, rec.duration_s) == (T0 - 5 * MS, T0 - 5 * MS, 0.0)
+    assert rec.devices() == [] and rec.metrics() == [] and rec.windows() == []
+    assert rec.totals().total_energy_j == 0.0
+    with pytest.raises(ConfigError, match="available: none"):
+        rec.series("gpu.power_w", "gpu:0")
+
+
+def test_progress_reports_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert PROGRESS_EVERY == 65_536
+    monkeypatch.setattr(progress_module, "PROGRESS_EVERY", 100)
+    path = tmp_path / "big.zarc"
+    n = 300
+    events = (GpuSample(H, i, 0, power_w=1.0) for i in range(n))
+    write_recording(path, events, HEADER, events_per_frame=25)
+    calls: list[tuple[int, int]] = []
+    rec = Recording.load(path, progress=lambda done, total: calls.append((done, total)))
+    size = path.stat().st_size
+    assert len(rec.series("gpu.power_w", "gpu:0")) == n
+    assert 2 <= len(calls) <= 4
+    assert all(total == size for _, total in calls)
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+    assert calls[-1] == (size, size) and calls[0][0] < size
+    calls.clear()
+    out = tmp_path / "big.jsonl"
+    assert export_jsonl(path, out, progress=lambda d, t: calls.append((d, t))) == n
+    assert calls[-1] == (size, size)
+
+
+# -- export ------------------------------------------------------------------------------------
+
+
+def every_kind() -> list[Event]:
+    return [
+        StreamInfo(H, T0, "s1", pid=7, argv=["x"], devices=HEADER.devices),
+        GpuSample(H, T0 + 1, 0, 300.5, 290.0, 1e6, 55.0, 1.98e9, 0.9, 2**40, 700.0),
+        GpuSample(H, T0 + 2, 1),
+        RaplSample(H, T0 + 3, 0, "dram", 12.5, 0.1),
+        ProcessSample(H, T0 + 4, 42, 0.5, 1, 2, 3, 0, 0.7, 4, 120.0),
+        WindowOpen(H, T0 + 5, "step", 1),
+        WindowClose(H, T0 + 6, "step", 1, cancelled=True),
+        MEASUREMENT,
+        PowerLimitChange(H, T0 + 8, 0, 500.0, 700.0, "optimizer"),
+        ClockChange(H, T0 + 9, 0, 1e9, 1.5e9, "pfo"),
+        DeviceFault(H, T0 + 11, "gpu:1", "gpu_lost", "fell, off the bus\n", None),
+        Heartbeat(H, T0 + 12, "s1", 10, 2),
+    ]
+
+
+def _parse_cell(cell: str) -> Any:
+    if cell == "":
+        return None
+    try:
+        return json.loads(cell)
+    except json.JSONDecodeError:
+        return cell
+
+
+def _event_from_row(row: dict[str, str]) -> Event:
+    """Rebuild an event from a CSV row (the test's own reading of the documented layout)."""
+    cls = next(t for t in EVENT_TYPES if t.__struct_config__.tag == row["kind"])
+    values: list[Any] = [row["kind"]]
+    for name in cls.__struct_fields__:
+        column = {"kind": f"{row['kind']}_kind"}.get(name, name)
+        cell = row[column]
+        value: Any = cell if name in ("host", "message", "name", "stream_id") else _parse_cell(cell)
+        if name == "devices":  # DeviceInfo is positional on the wire
+            value = [list(d.values()) for d in value]
+        values.append(value)
+    event: Event = msgspec.convert(values, Event, strict=False)
+    return event
+
+
+def test_csv_round_trip(tmp_path: Path) -> None:
+    src, out = tmp_path / "r.zarc", tmp_path / "r.csv"
+    events = every_kind()
+    write_recording(src, events, HEADER, events_per_frame=5)
+    assert export_csv(src, out) == len(events)
+    with out.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == csv_columns()
+        rows = list(reader)
+    assert reader.fieldnames[:6] == ["kind", "host", "t_ns", "device", "gpu", "power_w"]
+    assert [_event_from_row(r) for r in rows] == events
+    assert [r["device"] for r in rows[:5]] == ["", "gpu:0", "gpu:1", "cpu:0", "gpu:0"]
+    assert rows[1]["power_w"] == "300.5" and rows[2]["power_w"] == ""
+    assert rows[6]["cancelled"] == "true"
+    assert rows[10]["fault_kind"] == "gpu_lost" and rows[10]["device"] == "gpu:1"
+    assert json.loads(rows[7]["gpu_energy_j"]) == {"0": 125.0, "1": 80.0}
+
+    # Only some kinds: the header holds their fields only.
+    assert export_csv(src, out, kinds=["rapl", "fault"]) == 2
+    lines = out.read_text().splitlines()
+    assert lines[0] == (
+        "kind,host,t_ns,device,package,domain,energy_j,power_w,fault_kind,message,retry_in_s"
+    )
+    assert lines[1] == f"rapl,{H},{T0 + 3},cpu:0,0,dram,12.5,0.1,,,"
+
+
+def test_jsonl_is_subscribe_json(tmp_path: Path) -> None:
+    src, out = tmp_path / "r.zarc", tmp_path / "r.jsonl"
+    events = every_kind()
+    write_recording(src, events, HEADER)
+    assert export_jsonl(src, out) == len(events)
+    lines = out.read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [
+        json.loads(json.dumps(event_to_dict(e))) for e in events
+    ]
+    assert export_jsonl(src, out, kinds="measurement") == 1
+    assert json.loads(out.read_text())["gpu_energy_j"] == {"0": 125.0, "1": 80.0}
+
+
+def test_export_to_stdout_and_bad_kinds(
+    tmp_path: Path, capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    src = tmp_path / "r.zarc"
+    write_recording(src, every_kind(), HEADER)
+    assert export_csv(src, "-", kinds={"heartbeat"}) == 1
+    assert export_jsonl(src, "-", kinds=["heartbeat"]) == 1
+    text = capsysbinary.readouterr().out.decode()
+    header = "kind,host,t_ns,device,stream_id,events_published,frames_published\n"
+    row = f"heartbeat,{H},{T0 + 12},,s1,10,2\n"
+    assert text.startswith(header + row)
+    assert json.loads(text[len(header + row) :])["frames_published"] == 2
+    out = tmp_path / "never.csv"
+    for export in (export_csv, export_jsonl):
+        with pytest.raises(ConfigError, match=r"unknown event kind\(s\) \['gpus'\]"):
+            export(src, out, kinds=["gpus"])
+        assert not out.exists()
+
+
+# -- against the simulator -----------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_simulated_run_against_ground_truth(tmp_path: Path) -> None:
+    path = tmp_path / "sim.zarc"
+    clock = FakeClock(wall_start_ns=1_760_000_000_000_000_000)
+    config = SimConfig(
+        num_gpus=2,
+        workload=SquareWorkload(period_s=0.37, duty=0.5, high=1.0, low=0.1),
+        # The pre-Volta GPU runs at constant power: its integrated energy is exact.
+        gpus=(GpuOverride(), GpuOverride(pre_volta=True, workload=ConstantWorkload(util=0.6))),
+        seed=5,
+    )
+    try:
+        async with Runtime(
+            backend="sim", cpus=None, sim_config=config, clock=clock, windows=True, record=path
+        ) as rt:
+            await clock.sleep_until(clock.monotonic_ns() + 500 * MS)
+            for name in ("a", "b"):
+                async with rt.window(name) as w:
+                    await clock.sleep_until(clock.monotonic_ns() + 1000 * MS)
+                assert w.result is not None
+                await w.result.wait_async()
+            await clock.sleep_until(clock.monotonic_ns() + 300 * MS)
+            node = sim_pynvml.current_node()
+            assert node is not None
+    finally:
+        sim_pynvml.uninstall()
+
+    rec = Recording(path)
+    assert rec.report.clean
+    assert rec.devices() == ["gpu:0", "gpu:1"]
+    assert "gpu.energy_j" in rec.metrics() and rec.devices("gpu.energy_j") == ["gpu:0"]
+    times = [e.t_ns for e in RecordingReader(path)]
+    assert (rec.start_ns, rec.end_ns) == (min(times), max(times))
+    assert rec.duration_s >= 2.8
+    windows = rec.windows()
+    assert [m.name for m in windows] == ["a", "b"]
+    for m in windows:
+        for gpu, method, tol in [(0, "counter+interpolated", 0.01), (1, "integrated", 1e-6)]:
+            truth = node.truth_energy_j(gpu, m.start_ns, m.end_ns)
+            e = rec.energy(f"gpu:{gpu}", m.start_ns, m.end_ns)
+            assert e.method == method == m.methods[f"gpu:{gpu}"]
+            assert e.energy_j is not None
+            assert abs(e.energy_j - truth) / truth < tol, (gpu, e, truth)
+            assert e.energy_j == pytest.approx(m.gpu_energy_j[gpu], rel=tol)
+    totals = rec.totals()
+    for gpu in (0, 1):
+        d = totals.devices[f"gpu:{gpu}"]
+        truth = node.truth_energy_j(gpu, d.start_ns, d.end_ns)
+        assert d.energy_j is not None
+        if gpu == 0:
+            # Exact between the first and last counter update; the spans before and after
+            # (under one counter period each) come from power readings: at most one period of
+            # the power swing (70 W .. 700 W) per end.
+            assert d.method == "counter+extrapolated"
+            assert abs(d.energy_j - truth) <= 2 * 0.1 * 630
+        else:
+            assert d.method == "integrated"
+            assert d.energy_j == pytest.approx(truth, rel=1e-6)
+    assert totals.gpu_energy_j == pytest.approx(
+        sum(d.energy_j or 0.0 for d in totals.devices.values())
+    )
+    assert totals.cpu_energy_j is None and totals.dram_energy_j is None

@@ -1,0 +1,37 @@
+"""Pieces shared by the CLI's command modules (:mod:`zeus_async.cli`, ``_cli_store``)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import anyio
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .bus import Subscriber
+
+__all__ = ["stop_on_signals", "wait_for_publisher"]
+
+logger = logging.getLogger(__name__)
+
+
+async def stop_on_signals(scope: anyio.CancelScope) -> None:
+    """Cancel ``scope`` on the first SIGINT or SIGTERM (Ctrl-C ends a command cleanly)."""
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return
+
+
+async def wait_for_publisher(sub: Subscriber, endpoints: Sequence[str], timeout: float) -> None:
+    """Wait for one stream's handshake; a clear error when nobody answers in time."""
+    try:
+        await sub.wait_ready(streams=1, timeout=timeout)
+    except TimeoutError:
+        raise ConfigError(
+            f"no publisher answered at {', '.join(endpoints)} within {timeout:g} s"
+        ) from None

@@ -1,0 +1,298 @@
+"""The recording commands of the CLI: ``inspect``, ``export``, ``replay``, ``record``, ``plot``.
+
+Registered by :mod:`zeus_async.cli`; each command is a coroutine ``(args, out) -> exit code``.
+Long passes draw a progress line on stderr when it is a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import sys
+from collections import Counter
+from collections.abc import Callable, Coroutine
+from typing import Any, TextIO
+
+import anyio
+
+from ._cli_common import stop_on_signals, wait_for_publisher
+from .events import Event, event_kind
+
+__all__ = ["COMMANDS", "add_parsers"]
+
+logger = logging.getLogger(__name__)
+
+Command = Callable[[argparse.Namespace, TextIO], Coroutine[Any, Any, int]]
+
+
+def _speed(text: str) -> float | None:
+    if text == "max":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a factor like 2 or 'max', got {text!r}"
+        ) from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive factor or 'max', got {text!r}")
+    return value
+
+
+def add_parsers(sub: Any, positive_float: Callable[[str], float]) -> None:
+    """Add the recording commands to the CLI's subparsers."""
+    ins = sub.add_parser("inspect", help="summary of a recording")
+    ins.add_argument("file")
+    ins.add_argument("--windows", type=int, default=20, help="windows to list (default 20)")
+
+    exp = sub.add_parser("export", help="convert a recording to CSV or JSON lines")
+    exp.add_argument("file")
+    exp.add_argument("--format", choices=("csv", "jsonl"), required=True)
+    exp.add_argument("-o", "--output", default="-", help="output file (default: stdout)")
+    exp.add_argument("--kind", action="append", default=None, help="event kind (repeatable)")
+
+    rep = sub.add_parser("replay", help="replay a recording into the pipeline")
+    rep.add_argument("file")
+    rep.add_argument(
+        "--speed", type=_speed, default=1.0, help="pace factor, or 'max' (default: 1, real time)"
+    )
+    rep.add_argument("--publish", metavar="ENDPOINT", help="publish the replay on ZeroMQ")
+    rep.add_argument(
+        "--wait-subscriber",
+        type=positive_float,
+        default=None,
+        metavar="S",
+        help="with --publish: wait up to S s for a subscriber before starting",
+    )
+    rep.add_argument("--record", metavar="FILE", help="record the replayed stream to FILE")
+
+    rec = sub.add_parser("record", help="record a remote stream to a file")
+    rec.add_argument("endpoints", nargs="+", metavar="ENDPOINT")
+    rec.add_argument("-o", "--output", required=True, metavar="FILE")
+    rec.add_argument("--topic", action="append", default=None, help="topic prefix (repeatable)")
+    rec.add_argument("--duration", type=positive_float, default=None, help="stop after S s")
+    rec.add_argument("--count", type=int, default=None, help="stop after N events")
+    rec.add_argument("--rotate-mb", type=positive_float, default=None, help="rotate at this size")
+    rec.add_argument(
+        "--wait", type=positive_float, default=10.0, help="give up if no publisher answers (s)"
+    )
+
+    plo = sub.add_parser("plot", help="draw per-GPU power over time, windows shaded (PNG)")
+    plo.add_argument("file")
+    plo.add_argument("-o", "--output", required=True, help="image file (.png, .svg, .pdf)")
+    plo.add_argument("--title", default=None)
+
+
+def _progress(label: str) -> Any:
+    from .store.progress import terminal_progress
+
+    return terminal_progress(label)
+
+
+def _when(t_ns: int) -> str:
+    return (
+        datetime.datetime.fromtimestamp(t_ns / 1e9, tz=datetime.timezone.utc).strftime(
+            "%Y-%m-%d %H:%M:%S.%f UTC"
+        )[:-7]
+        + " UTC"
+    )
+
+
+async def _inspect(args: argparse.Namespace, out: TextIO) -> int:
+    from .store import RecordingReader, recording_parts
+    from .store.analysis import Recording
+
+    reader = RecordingReader(args.file)
+    kinds: Counter[str] = Counter(event_kind(e) for e in reader)
+    rec = await anyio.to_thread.run_sync(
+        lambda: Recording(args.file, progress=_progress("reading"))
+    )
+    h = reader.header
+    w = out.write
+    w(f"recording   {args.file} ({reader.path.stat().st_size / 1e6:.2f} MB)\n")
+    parts = recording_parts(args.file)
+    if len(parts) > 1:
+        w(f"parts       {len(parts)}: {', '.join(p.name for p in parts)}\n")
+    w(f"format      v{reader.format_version}, schema v{reader.schema_version}, ")
+    w(f"compression {h.compression}\n")
+    w(f"host        {h.host}  pid {h.pid}  started {_when(h.start_wall_ns)}\n")
+    if h.argv:
+        w(f"command     {' '.join(h.argv)}\n")
+    for d in h.devices:
+        counter = "energy counter" if d.has_energy_counter else "no energy counter"
+        limits = (
+            f", limit {d.power_limit_min_w:g}-{d.power_limit_max_w:g} W"
+            if d.power_limit_min_w is not None and d.power_limit_max_w is not None
+            else ""
+        )
+        w(f"device      {d.key}: {d.name} ({d.arch}, {counter}{limits})\n")
+    report = rec.report
+    state = "complete" if report.clean else "DAMAGED"
+    w(f"frames      {report.frames_ok}, events {report.events_ok} ({state})\n")
+    if report.torn_tail_offset is not None:
+        w(
+            f"torn tail   {report.torn_tail_bytes} bytes at offset {report.torn_tail_offset} "
+            "(writer stopped mid-frame; every complete frame was read)\n"
+        )
+    for offset, reason in report.corrupt_frames:
+        w(f"corrupt     frame at offset {offset}: {reason} (skipped)\n")
+    w(f"duration    {rec.duration_s:.3f} s  ({_when(rec.start_ns)} .. {_when(rec.end_ns)})\n")
+    w("events      " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) + "\n")
+    w("metrics     " + (", ".join(rec.metrics()) or "none") + "\n")
+    totals = rec.totals()
+    if totals.devices:
+        w(f"\n{'device':<16}{'energy J':>12}{'time s':>9}{'mean W':>9}  method\n")
+        for key, t in totals.devices.items():
+            energy = "-" if t.energy_j is None else f"{t.energy_j:.2f}"
+            mean = "-" if t.mean_power_w is None else f"{t.mean_power_w:.1f}"
+            w(f"{key:<16}{energy:>12}{t.duration_s:>9.2f}{mean:>9}  {t.method}\n")
+        w(f"{'all GPUs':<16}{totals.gpu_energy_j:>12.2f}\n")
+    windows = rec.windows()
+    if windows:
+        w(f"\n{len(windows)} measured window(s)")
+        shown = windows[: max(args.windows, 0)]
+        w(f" (first {len(shown)}):\n" if len(shown) < len(windows) else ":\n")
+        for m in shown:
+            gpu = sum(m.gpu_energy_j.values())
+            w(f"  {m.name:<24}{m.time_s:>10.3f} s{gpu:>12.2f} J on GPUs\n")
+    return 0
+
+
+async def _export(args: argparse.Namespace, out: TextIO) -> int:
+    from .store.analysis import export_csv, export_jsonl
+
+    fn = export_csv if args.format == "csv" else export_jsonl
+    progress = _progress(f"exporting {args.format}") if args.output != "-" else None
+    n = await anyio.to_thread.run_sync(
+        lambda: fn(args.file, args.output, kinds=args.kind, progress=progress)
+    )
+    if args.output != "-":
+        out.write(f"exported {n} events to {args.output}\n")
+    return 0
+
+
+async def _replay(args: argparse.Namespace, out: TextIO) -> int:
+    from .aggregate import LiveTotals
+    from .aggregate.windows import ReplayedWindows
+    from .cli import render_totals
+    from .runtime import Runtime
+    from .store import RecordingReader
+    from .store.replay import Replayer
+
+    reader = RecordingReader(args.file)
+    totals = LiveTotals()
+    windows = ReplayedWindows(reader.header.devices)
+
+    async def consume(stream: anyio.abc.ObjectReceiveStream[Event]) -> None:
+        async for event in stream:
+            totals.add(event)
+            windows.add(event)
+        windows.finish()
+
+    runtime = Runtime(
+        devices=[],
+        host=reader.header.host or "replay",
+        publish=args.publish,
+        record=args.record,
+        consumers=[consume],
+    )
+    pace = "as fast as possible" if args.speed is None else f"at {args.speed:g}x"
+    async with runtime as rt:
+        where = f", publishing on {rt.publisher.endpoint}" if rt.publisher is not None else ""
+        out.write(f"zeus-async replay: {args.file} {pace}{where}\n")
+        out.flush()
+        if rt.publisher is not None and args.wait_subscriber is not None:
+            with anyio.move_on_after(args.wait_subscriber):
+                while rt.publisher.stats.subscriptions == 0:
+                    await anyio.sleep(0.01)
+        replayer = Replayer(reader, speed=args.speed, progress=_progress("replaying"))
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(stop_on_signals, scope)
+                await replayer.into_runtime(rt)
+                tg.cancel_scope.cancel()
+    out.write(f"replayed {replayer.events_published} events\n")
+    out.write("\nTotals\n" + "\n".join(render_totals(totals)) + "\n")
+    if windows.results:
+        live = {m.window_id: m for m in windows.recorded}
+        out.write(f"\n{len(windows.results)} window(s) measured again from the replay:\n")
+        for m in windows.results[:20]:
+            gpu = sum(m.gpu_energy_j.values())
+            rec = live.get(m.window_id)
+            same = (
+                ""
+                if rec is None
+                else ("  (= recorded)" if rec.gpu_energy_j == m.gpu_energy_j else "  (differs)")
+            )
+            out.write(f"  {m.name:<24}{m.time_s:>10.3f} s{gpu:>12.2f} J on GPUs{same}\n")
+    return 0
+
+
+async def _record(args: argparse.Namespace, out: TextIO) -> int:
+    from .bus import Subscriber
+    from .runtime.hub import EventBatches
+    from .store import Recorder, RecordingHeader
+
+    topics = args.topic or [""]
+    count = 0
+    async with Subscriber(args.endpoints, topics=topics) as sub:
+        await wait_for_publisher(sub, args.endpoints, args.wait)
+        infos = list(sub.ready_streams.values())
+        first = infos[0]
+        header = RecordingHeader(
+            host=first.host,
+            start_wall_ns=first.t_ns,
+            pid=first.pid,
+            argv=list(first.argv),
+            devices=[d for info in infos for d in info.devices],
+            meta={"recorded_from": ",".join(args.endpoints), "recorder_argv": " ".join(sys.argv)},
+            compression="zstd",
+        )
+        rotate = None if args.rotate_mb is None else round(args.rotate_mb * 1e6)
+        recorder = Recorder(args.output, header=header, rotate_bytes=rotate)
+        batches = EventBatches(65536)
+        out.write(f"zeus-async record: {', '.join(args.endpoints)} -> {args.output}\n")
+        out.flush()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(recorder.run, batches)
+            with anyio.CancelScope() as scope:
+                if args.duration is not None:
+                    scope.deadline = anyio.current_time() + args.duration
+                async with anyio.create_task_group() as inner:
+                    inner.start_soon(stop_on_signals, scope)
+                    for info in infos:  # the handshake consumed them; keep them in the file
+                        await batches.send(info)
+                        count += 1
+                    async for event in sub:
+                        await batches.send(event)
+                        count += 1
+                        if args.count is not None and count >= args.count:
+                            break
+                    inner.cancel_scope.cancel()
+            batches.close()
+        stats = sub.stats
+    out.write(
+        f"recorded {recorder.events_written} events in {recorder.frames_written} frames "
+        f"to {', '.join(map(str, recorder.paths))}; {stats.frames_lost} frame(s) lost on the bus\n"
+    )
+    return 0
+
+
+async def _plot(args: argparse.Namespace, out: TextIO) -> int:
+    from .store.plot import plot_power
+
+    path = await anyio.to_thread.run_sync(
+        lambda: plot_power(args.file, args.output, title=args.title)
+    )
+    out.write(f"wrote {path}\n")
+    return 0
+
+
+COMMANDS: dict[str, Command] = {
+    "inspect": _inspect,
+    "export": _export,
+    "replay": _replay,
+    "record": _record,
+    "plot": _plot,
+}

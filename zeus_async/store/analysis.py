@@ -1,0 +1,714 @@
+"""Analysis of recordings: per-device series, energy over any interval, totals and export.
+
+This is the offline counterpart of the live aggregation (the role of AIPowerMeter's
+``ExpResults``): :class:`Recording` reads a recording once and keeps, per device, one column of
+``(t_ns, value)`` pairs per metric, plus a :class:`~zeus_async.aggregate.history.DeviceHistory`
+per energy-measurable device — the same estimator the measurement windows use, fed the same
+way — so energy over any interval is what a window over that interval would have reported.
+
+Naming
+------
+
+*Devices* are the keys the live aggregation uses:
+
+* ``gpu:<index>`` — a GPU (:class:`~zeus_async.events.GpuSample`);
+* ``cpu:<package>/<domain>`` — one RAPL domain of one CPU package
+  (:class:`~zeus_async.events.RaplSample`; domains ``package``, ``core``, ``uncore``, ``dram``,
+  ``psys``). Wherever a device name is accepted, ``cpu:<package>`` alone means
+  ``cpu:<package>/package``;
+* ``proc:<pid>`` — a process (:class:`~zeus_async.events.ProcessSample` without a GPU), and
+  ``proc:<pid>/gpu:<index>`` — a process on one GPU.
+
+When the events of a recording come from more than one host, every key gets the host appended
+(``gpu:0@node1``); a single-host recording uses the bare keys.
+
+*Metrics* are ``"<kind>.<field>"``: the event tag and a numeric field of that event, e.g.
+``gpu.power_w``, ``gpu.energy_j``, ``gpu.temperature_c``, ``rapl.energy_j``, ``rapl.power_w``,
+``proc.cpu_frac``, ``proc.attributed_power_w``. Every ``int``/``float`` field of
+``GpuSample``, ``RaplSample`` and ``ProcessSample`` is a metric, except the identifying ones
+(``gpu``, ``package``, ``pid``); :meth:`Recording.metrics` lists those with at least one value
+in the file. A new numeric field in the schema becomes a metric with no change here.
+
+Progress
+--------
+
+Loading and the exporters take ``progress(done_bytes, total_bytes)``: bytes of the file read so
+far and the file size. It is called about every 64k events (:data:`PROGRESS_EVERY`), and once
+more with ``done_bytes == total_bytes`` when the pass ends.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import json
+import logging
+import os
+import re
+import sys
+import typing
+from array import array
+from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Final
+
+from ..aggregate.history import DeviceHistory, EnergyEstimate
+from ..errors import ConfigError
+from ..events import (
+    EVENT_TYPES,
+    Event,
+    GpuSample,
+    Measurement,
+    ProcessSample,
+    RaplSample,
+    event_kind,
+    event_to_dict,
+)
+from .format import RecordingHeader
+from .progress import PROGRESS_EVERY, Progress, ProgressTicker
+from .reader import RecordingReader, RecoveryReport, event_device
+
+__all__ = [
+    "CSV_FIXED",
+    "PROGRESS_EVERY",
+    "DeviceTotal",
+    "Progress",
+    "Recording",
+    "Series",
+    "Totals",
+    "csv_columns",
+    "export_csv",
+    "export_jsonl",
+]
+
+logger = logging.getLogger(__name__)
+
+_PathLike = str | os.PathLike[str]
+
+# Fields that identify what a sample is about; they are part of the device key, not metrics.
+_ID_FIELDS: Final = frozenset({"host", "t_ns", "gpu", "package", "domain", "pid"})
+_KIND_ORDER: Final = {"gpu": 0, "cpu": 1, "proc": 2}
+
+
+def _numeric_fields(cls: type[Any]) -> tuple[str, ...]:
+    """The int/float (optionally ``None``) fields of an event struct, in schema order."""
+    hints = typing.get_type_hints(cls)
+    out: list[str] = []
+    for name in cls.__struct_fields__:
+        if name in _ID_FIELDS:
+            continue
+        hint = hints[name]
+        args = set(typing.get_args(hint) or (hint,)) - {type(None)}
+        if args and args <= {int, float}:
+            out.append(name)
+    return tuple(out)
+
+
+# Event type -> (kind, ((field, metric), ...)) for the event kinds that form series.
+_SPECS: Final[dict[type[Any], tuple[str, tuple[tuple[str, str], ...]]]] = {
+    cls: (tag, tuple((f, f"{tag}.{f}") for f in _numeric_fields(cls)))
+    for cls in (GpuSample, RaplSample, ProcessSample)
+    for tag in [str(cls.__struct_config__.tag)]
+}
+
+
+def _series_key(event: GpuSample | RaplSample | ProcessSample) -> str:
+    if isinstance(event, GpuSample):
+        return f"gpu:{event.gpu}"
+    if isinstance(event, RaplSample):
+        return f"cpu:{event.package}/{event.domain}"
+    base = f"proc:{event.pid}"
+    return base if event.gpu is None else f"{base}/gpu:{event.gpu}"
+
+
+def _device_order(key: str) -> tuple[Any, ...]:
+    """Natural order: GPUs, then CPU domains, then processes; numbers compared as numbers."""
+    parts: list[Any] = re.split(r"(\d+)", key)
+    parts[1::2] = [int(p) for p in parts[1::2]]
+    return (_KIND_ORDER.get(key.split(":", 1)[0], 9), *parts)
+
+
+def _feed(history: DeviceHistory, event: GpuSample | RaplSample) -> None:
+    """Account one sample the way the window tracker does (``aggregate/windows.py``)."""
+    if isinstance(event, GpuSample):
+        if event.power_w is not None or event.energy_j is not None:
+            history.add(event.t_ns, event.power_w, event.energy_j)
+    else:
+        history.add(event.t_ns, None, event.energy_j)
+
+
+class _Column:
+    """One metric of one device: parallel arrays of time and value (compact in memory)."""
+
+    __slots__ = ("t", "v")
+
+    def __init__(self) -> None:
+        self.t: array[int] = array("q")
+        self.v: array[float] = array("d")
+
+
+@dataclass(frozen=True)
+class Series:
+    """Values of one metric of one device, in file order (time order for one recorder).
+
+    Attributes:
+        metric: ``"<kind>.<field>"``.
+        device: Device key.
+        t_ns: Time of each value (wall-clock ns).
+        values: The values (samples where the field was ``None`` are left out).
+        start_ns: Start of the recording, the origin of :meth:`seconds`.
+    """
+
+    metric: str
+    device: str
+    t_ns: list[int]
+    values: list[float]
+    start_ns: int
+
+    def seconds(self) -> list[float]:
+        """Time of each value in seconds since the start of the recording."""
+        start = self.start_ns
+        return [(t - start) / 1e9 for t in self.t_ns]
+
+    def __len__(self) -> int:
+        return len(self.t_ns)
+
+
+@dataclass(frozen=True)
+class DeviceTotal:
+    """Energy of one device over its whole span in the recording.
+
+    Attributes:
+        device: Device key.
+        energy_j: Joules, or ``None`` when the device's data cannot give it.
+        method: How it was obtained (the :class:`DeviceHistory` method: ``counter+interpolated``,
+            ``counter+extrapolated``, ``integrated``, ``unavailable``).
+        start_ns: First sample of the device.
+        end_ns: Last sample of the device.
+        duration_s: ``end_ns - start_ns`` in seconds.
+        mean_power_w: ``energy_j / duration_s``, or ``None`` (no energy or zero duration).
+    """
+
+    device: str
+    energy_j: float | None
+    method: str
+    start_ns: int
+    end_ns: int
+    duration_s: float
+    mean_power_w: float | None
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Per-device and experiment totals of a recording (see :meth:`Recording.totals`).
+
+    Attributes:
+        devices: Device key to its :class:`DeviceTotal`, for every GPU and RAPL domain.
+        gpu_energy_j: Sum over GPUs.
+        cpu_energy_j: Sum over the RAPL ``package`` domains, or ``None`` without any.
+        dram_energy_j: Sum over the RAPL ``dram`` domains, or ``None`` without any.
+        total_energy_j: GPU + CPU + DRAM (the ``core``/``uncore`` domains lie inside
+            ``package`` and ``psys`` contains it, so they are not added).
+        duration_s: Duration of the recording.
+    """
+
+    devices: dict[str, DeviceTotal]
+    gpu_energy_j: float
+    cpu_energy_j: float | None
+    dram_energy_j: float | None
+    total_energy_j: float
+    duration_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly dict of everything here."""
+        return {
+            "devices": {k: dict(vars(v)) for k, v in self.devices.items()},
+            "gpu_energy_j": self.gpu_energy_j,
+            "cpu_energy_j": self.cpu_energy_j,
+            "dram_energy_j": self.dram_energy_j,
+            "total_energy_j": self.total_energy_j,
+            "duration_s": self.duration_s,
+        }
+
+
+@dataclass
+class _Loaded:
+    columns: dict[str, dict[str, _Column]] = field(default_factory=dict)
+    histories: dict[str, DeviceHistory] = field(default_factory=dict)
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)
+    windows: list[Measurement] = field(default_factory=list)
+    start_ns: int | None = None
+    end_ns: int | None = None
+
+
+def _load(reader: RecordingReader, progress: Progress | None) -> _Loaded:
+    """One pass over the file: columns, histories and spans per ``(host, key)``."""
+    columns: dict[tuple[str, str], dict[str, _Column]] = {}
+    histories: dict[tuple[str, str], DeviceHistory] = {}
+    spans: dict[tuple[str, str], list[int]] = {}
+    out = _Loaded()
+    t_min: int | None = None
+    t_max: int | None = None
+    ticker = ProgressTicker(reader, progress)
+    for event in reader:
+        t = event.t_ns
+        if t_min is None or t < t_min:
+            t_min = t
+        if t_max is None or t > t_max:
+            t_max = t
+        spec = _SPECS.get(type(event))
+        if spec is not None:
+            event = typing.cast("GpuSample | RaplSample | ProcessSample", event)
+            ident = (event.host, _series_key(event))
+            metrics = columns.get(ident)
+            if metrics is None:
+                metrics = columns[ident] = {}
+                spans[ident] = [t, t]
+            else:
+                span = spans[ident]
+                span[0] = min(span[0], t)
+                span[1] = max(span[1], t)
+            for name, metric in spec[1]:
+                value = getattr(event, name)
+                if value is not None:
+                    column = metrics.get(metric)
+                    if column is None:
+                        column = metrics[metric] = _Column()
+                    column.t.append(t)
+                    column.v.append(value)
+            if not isinstance(event, ProcessSample):
+                history = histories.get(ident)
+                if history is None:
+                    fine = isinstance(event, RaplSample)
+                    history = histories[ident] = DeviceHistory(ident[1], fine_counter=fine)
+                _feed(history, event)
+        elif isinstance(event, Measurement):
+            out.windows.append(event)
+        ticker.tick()
+    ticker.finish()
+    several_hosts = len({host for host, _ in columns}) > 1
+
+    def label(ident: tuple[str, str]) -> str:
+        return f"{ident[1]}@{ident[0]}" if several_hosts else ident[1]
+
+    for ident in sorted(columns, key=lambda i: _device_order(label(i))):
+        key = label(ident)
+        out.columns[key] = columns[ident]
+        out.spans[key] = (spans[ident][0], spans[ident][1])
+        if ident in histories:
+            out.histories[key] = histories[ident]
+    out.start_ns, out.end_ns = t_min, t_max
+    return out
+
+
+def _energy_field(metric: str) -> bool:
+    return metric.rpartition(".")[2].endswith("energy_j")
+
+
+def _power_field(metric: str) -> bool:
+    return metric.rpartition(".")[2].endswith("power_w")
+
+
+class Recording:
+    """A recording loaded for analysis (one pass over the file, see the module docstring).
+
+    Args:
+        path: The recording file.
+        progress: Optional ``progress(done_bytes, total_bytes)`` callback for the load pass.
+
+    Attributes:
+        path: The recording file.
+        header: Run metadata (:class:`~zeus_async.store.RecordingHeader`).
+        report: What the load pass found (torn tail, corrupt frames); damage is reported,
+            every complete frame is analyzed.
+        start_ns: Time of the earliest event (``header.start_wall_ns`` for an empty file).
+        end_ns: Time of the latest event (``start_ns`` for an empty file).
+
+    Raises:
+        NotARecordingError, SchemaVersionError, CodecError: Not a readable recording.
+        OSError: The file cannot be read.
+    """
+
+    def __init__(self, path: _PathLike, *, progress: Progress | None = None) -> None:
+        reader = RecordingReader(path)
+        self.path = reader.path
+        self.header: RecordingHeader = reader.header
+        loaded = _load(reader, progress)
+        self.report: RecoveryReport = reader.report
+        self._columns = loaded.columns
+        self._histories = loaded.histories
+        self._spans = loaded.spans
+        self._windows = loaded.windows
+        self.start_ns: int = (
+            loaded.start_ns if loaded.start_ns is not None else self.header.start_wall_ns
+        )
+        self.end_ns: int = loaded.end_ns if loaded.end_ns is not None else self.start_ns
+        logger.info(
+            "loaded %s: %d events, %d devices, %.3f s%s",
+            self.path,
+            self.report.events_ok,
+            len(self._columns),
+            self.duration_s,
+            "" if self.report.clean else " (damaged file, recovered)",
+        )
+
+    @classmethod
+    def load(cls, path: _PathLike, progress: Progress | None = None) -> Recording:
+        """Same as ``Recording(path, progress=progress)``."""
+        return cls(path, progress=progress)
+
+    @property
+    def duration_s(self) -> float:
+        """Seconds from the first to the last event."""
+        return (self.end_ns - self.start_ns) / 1e9
+
+    # -- names ---------------------------------------------------------------------------------
+
+    def devices(self, metric: str | None = None) -> list[str]:
+        """Device keys with data (GPUs, then RAPL domains, then processes), optionally only
+        those with values of ``metric``."""
+        if metric is None:
+            return list(self._columns)
+        self._check_metric(metric)
+        return [d for d, cols in self._columns.items() if metric in cols]
+
+    def metrics(self, device: str | None = None) -> list[str]:
+        """Metrics with at least one value (of ``device``, if given), in schema order."""
+        if device is None:
+            present = {m for cols in self._columns.values() for m in cols}
+        else:
+            present = set(self._columns[self._resolve(device)])
+        return [m for _, fields in _SPECS.values() for _, m in fields if m in present]
+
+    def _check_metric(self, metric: str) -> None:
+        if metric not in self.metrics():
+            raise ConfigError(
+                f"unknown metric {metric!r} in {self.path}; available: "
+                f"{', '.join(self.metrics()) or 'none'}"
+            )
+
+    def _resolve(self, device: str, within: Collection[str] | None = None) -> str:
+        keys = self._columns if within is None else within
+        if device in keys:
+            return device
+        if f"{device}/package" in keys:
+            return f"{device}/package"
+        raise ConfigError(
+            f"unknown device {device!r} in {self.path}; available: {', '.join(keys) or 'none'}"
+        )
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def series(self, metric: str, device: str) -> Series:
+        """The values of ``metric`` for ``device``.
+
+        Raises:
+            ConfigError: Unknown metric, or a device without values of it.
+        """
+        self._check_metric(metric)
+        key = self._resolve(device, self.devices(metric))
+        column = self._columns[key][metric]
+        return Series(metric, key, column.t.tolist(), column.v.tolist(), self.start_ns)
+
+    def windows(self) -> list[Measurement]:
+        """The :class:`~zeus_async.events.Measurement` events recorded, in file order."""
+        return list(self._windows)
+
+    def energy(
+        self, device: str, t0_ns: int | None = None, t1_ns: int | None = None
+    ) -> EnergyEstimate:
+        """Energy of a GPU or RAPL domain over ``[t0_ns, t1_ns]``, and how it was obtained.
+
+        Computed by :class:`~zeus_async.aggregate.history.DeviceHistory` (the estimator of the
+        measurement windows): energy counter with interpolation inside counter periods where it
+        covers the interval, power at the ends where it covers part of it
+        (``counter+extrapolated``), integrated power samples for GPUs without a counter
+        (``integrated``). ``None`` bounds are the device's first and last sample.
+
+        Raises:
+            ConfigError: Not a GPU or RAPL device of this recording, or ``t1_ns < t0_ns``.
+        """
+        key = self._resolve(device, self._histories)
+        first, last = self._spans[key]
+        t0 = first if t0_ns is None else t0_ns
+        t1 = last if t1_ns is None else t1_ns
+        if t1 < t0:
+            raise ConfigError(f"interval ends before it starts: [{t0}, {t1}]")
+        return self._histories[key].energy(t0, t1)
+
+    def totals(self) -> Totals:
+        """Energy, mean power and duration of every GPU and RAPL domain over its span in the
+        recording, and the experiment's GPU, CPU (``package``), DRAM and overall sums."""
+        devices: dict[str, DeviceTotal] = {}
+        for key in self._histories:
+            first, last = self._spans[key]
+            estimate = self.energy(key)
+            duration = (last - first) / 1e9
+            mean = (
+                estimate.energy_j / duration
+                if estimate.energy_j is not None and duration > 0
+                else None
+            )
+            devices[key] = DeviceTotal(
+                key, estimate.energy_j, estimate.method, first, last, duration, mean
+            )
+
+        def domain_sum(domain: str) -> float | None:
+            parts = [
+                d.energy_j
+                for k, d in devices.items()
+                if k.startswith("cpu:") and k.split("@")[0].endswith(f"/{domain}")
+            ]
+            return sum(p for p in parts if p is not None) if parts else None
+
+        gpu = sum(
+            d.energy_j
+            for k, d in devices.items()
+            if k.startswith("gpu:") and d.energy_j is not None
+        )
+        cpu, dram = domain_sum("package"), domain_sum("dram")
+        return Totals(
+            devices=devices,
+            gpu_energy_j=gpu,
+            cpu_energy_j=cpu,
+            dram_energy_j=dram,
+            total_energy_j=gpu + (cpu or 0.0) + (dram or 0.0),
+            duration_s=self.duration_s,
+        )
+
+    def total(self, metric: str, device: str | None = None) -> float:
+        """Joules of an energy or power metric over the whole recording, summed over devices.
+
+        * ``*energy_j`` metrics (``gpu.energy_j``, ``rapl.energy_j``): the :meth:`energy` of
+          each device over its span (counter-based). GPUs without the counter (pre-Volta) have
+          no ``gpu.energy_j`` and are not included; :meth:`totals` includes them.
+        * ``*power_w`` metrics (``gpu.power_w``, ``gpu.avg_power_w``, ``rapl.power_w``,
+          ``proc.attributed_power_w``): the power samples of each device integrated over time
+          (trapezoid rule, by :class:`DeviceHistory`) from its first to its last value of that
+          metric.
+
+        Args:
+            metric: The metric.
+            device: One device; by default every device with values of ``metric`` — for
+                ``rapl.*`` metrics only the ``package`` and ``dram`` domains, which do not
+                overlap (``core``/``uncore`` lie inside ``package``, ``psys`` contains it).
+
+        Raises:
+            ConfigError: Unknown metric or device, or a metric that is neither energy nor power.
+        """
+        self._check_metric(metric)
+        if not (_energy_field(metric) or _power_field(metric)):
+            raise ConfigError(
+                f"total() needs an energy (*energy_j) or power (*power_w) metric, not "
+                f"{metric!r}; use series() for the values"
+            )
+        with_metric = self.devices(metric)
+        if device is not None:
+            keys = [self._resolve(device, with_metric)]
+        elif metric.startswith("rapl."):
+            keys = [k for k in with_metric if k.split("@")[0].endswith(("/package", "/dram"))]
+            if not keys:
+                raise ConfigError(
+                    f"no package or dram domain has {metric!r}; pass one device of: "
+                    f"{', '.join(with_metric)}"
+                )
+        else:
+            keys = with_metric
+        joules = 0.0
+        for key in keys:
+            if _energy_field(metric) and key in self._histories:
+                estimate = self.energy(key)
+            else:
+                estimate = self._integrate(key, metric)
+            if estimate.energy_j is not None:
+                joules += estimate.energy_j
+        return joules
+
+    def _integrate(self, key: str, metric: str) -> EnergyEstimate:
+        """A series through a fresh :class:`DeviceHistory`: power integrated, or a counter."""
+        column = self._columns[key][metric]
+        history = DeviceHistory(f"{key} {metric}", fine_counter=True)
+        counter = _energy_field(metric)
+        for t, v in zip(column.t, column.v, strict=True):
+            history.add(t, None if counter else v, v if counter else None)
+        return history.energy(column.t[0], column.t[-1])
+
+
+# -- export ------------------------------------------------------------------------------------
+
+
+def _events(reader: RecordingReader, kinds: str | Collection[str] | None) -> Iterator[Event]:
+    """The reader's events of ``kinds``; an unknown kind raises here, before any output."""
+    wanted = [kinds] if isinstance(kinds, str) else kinds
+    events = reader.events(kinds=wanted)
+    first = next(events, None)  # the reader validates the kinds on the first step
+    return events if first is None else itertools.chain((first,), events)
+
+
+@contextmanager
+def _open_out(path_out: _PathLike) -> Iterator[IO[bytes]]:
+    if os.fspath(path_out) == "-":
+        stream = sys.stdout.buffer
+        try:
+            yield stream
+        finally:
+            stream.flush()
+    else:
+        with Path(path_out).open("wb") as f:
+            yield f
+
+
+def export_jsonl(
+    path_in: _PathLike,
+    path_out: _PathLike,
+    *,
+    kinds: str | Collection[str] | None = None,
+    progress: Progress | None = None,
+) -> int:
+    """Write the events of a recording as JSON lines, as ``zeus-async subscribe --json`` does.
+
+    Streams the file (constant memory). Each line is
+    ``json.dumps(event_to_dict(event))``.
+
+    Args:
+        path_in: The recording.
+        path_out: Output file (truncated), or ``"-"`` for standard output.
+        kinds: Export only these event tags (``"gpu"``, ``"measurement"``, ...).
+        progress: ``progress(done_bytes, total_bytes)`` over the input file.
+
+    Returns:
+        The number of events written.
+
+    Raises:
+        ConfigError: An unknown kind.
+    """
+    reader = RecordingReader(path_in)
+    events = _events(reader, kinds)
+    ticker = ProgressTicker(reader, progress)
+    written = 0
+    with _open_out(path_out) as out:
+        for event in events:
+            out.write(json.dumps(event_to_dict(event)).encode() + b"\n")
+            written += 1
+            ticker.tick()
+    ticker.finish()
+    logger.info("exported %d events of %s to %s (JSON lines)", written, path_in, path_out)
+    return written
+
+
+#: Columns every CSV row fills: the event tag, host, time and :func:`event_device`.
+CSV_FIXED: Final = ("kind", "host", "t_ns", "device")
+
+
+def csv_columns(kinds: Iterable[str] | None = None) -> list[str]:
+    """The CSV header for events of ``kinds`` (all by default).
+
+    After :data:`CSV_FIXED`, the fields of each kind in schema order (:data:`~zeus_async.events.
+    EVENT_TYPES` order, then field order), each name once: fields of the same name share a
+    column. A field named ``kind`` becomes ``<tag>_kind`` (``fault_kind``); the ``device``
+    field of faults is the ``device`` column.
+    """
+    wanted = None if kinds is None else set(kinds)
+    columns = list(CSV_FIXED)
+    for cls in EVENT_TYPES:
+        tag = str(cls.__struct_config__.tag)
+        if wanted is not None and tag not in wanted:
+            continue
+        for name in cls.__struct_fields__:
+            column = _csv_column(tag, name)
+            if column is not None and column not in columns:
+                columns.append(column)
+    return columns
+
+
+def _csv_column(tag: str, name: str) -> str | None:
+    if name in ("host", "t_ns", "device"):
+        return None  # fixed columns (a fault's device is its event_device)
+    return f"{tag}_{name}" if name == "kind" else name
+
+
+_SCALARS: Final = (bool, int, float, str, type(None))
+
+
+def _csv_cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float, str)):
+        return str(value)
+    return json.dumps(value, separators=(",", ":"))
+
+
+def export_csv(
+    path_in: _PathLike,
+    path_out: _PathLike,
+    *,
+    kinds: str | Collection[str] | None = None,
+    progress: Progress | None = None,
+) -> int:
+    """Write the events of a recording as one CSV table (streamed, constant memory).
+
+    The header is :func:`csv_columns` of the exported kinds. A cell is empty for ``None``, an
+    empty string, or a field the row's kind does not have; booleans are ``true``/``false``,
+    floats are written so they read back exactly, and dicts and lists (measurement energies,
+    stream devices) are JSON.
+
+    Args:
+        path_in: The recording.
+        path_out: Output file (truncated), or ``"-"`` for standard output.
+        kinds: Export only these event tags (``"gpu"``, ``"rapl"``, ...).
+        progress: ``progress(done_bytes, total_bytes)`` over the input file.
+
+    Returns:
+        The number of events (rows) written.
+
+    Raises:
+        ConfigError: An unknown kind.
+    """
+    reader = RecordingReader(path_in)
+    wanted = [kinds] if isinstance(kinds, str) else kinds
+    events = _events(reader, wanted)
+    columns = csv_columns(wanted)
+    index = {c: i for i, c in enumerate(columns)}
+    layout: dict[type[Any], list[tuple[int, str]]] = {}
+    for cls in EVENT_TYPES:
+        tag = str(cls.__struct_config__.tag)
+        layout[cls] = [
+            (index[c], name)
+            for name in cls.__struct_fields__
+            if (c := _csv_column(tag, name)) is not None and c in index
+        ]
+    ticker = ProgressTicker(reader, progress)
+    written = 0
+    with _open_out(path_out) as out:
+        text = io.TextIOWrapper(out, encoding="utf-8", newline="")
+        try:
+            writer = csv.writer(text, lineterminator="\n")
+            writer.writerow(columns)
+            for event in events:
+                row = [""] * len(columns)
+                row[0] = event_kind(event)
+                row[1] = event.host
+                row[2] = str(event.t_ns)
+                row[3] = event_device(event) or ""
+                builtins: dict[str, Any] | None = None
+                for i, name in layout[type(event)]:
+                    value = getattr(event, name)
+                    if not isinstance(value, _SCALARS):
+                        # Nested structs as named fields, the same form as the JSON export.
+                        builtins = builtins or event_to_dict(event)
+                        value = builtins[name]
+                    row[i] = _csv_cell(value)
+                writer.writerow(row)
+                written += 1
+                ticker.tick()
+        finally:
+            text.flush()
+            text.detach()
+    ticker.finish()
+    logger.info("exported %d events of %s to %s (CSV)", written, path_in, path_out)
+    return written
