@@ -16,7 +16,6 @@ Errors in arguments or endpoints print one line to stderr and exit non-zero; no 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -31,7 +30,7 @@ from . import _cli_store
 from ._cli_common import stop_on_signals, wait_for_publisher
 from .aggregate import LiveTotals
 from .errors import ZeusAsyncError
-from .events import Event, event_to_dict
+from .events import Event, event_to_dict, event_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +264,7 @@ async def _subscribe(args: argparse.Namespace, out: TextIO) -> int:
                 tg.start_soon(stop_on_signals, scope)
                 async for event in sub:
                     if args.json:
-                        out.write(json.dumps(event_to_dict(event)) + "\n")
+                        out.write(event_to_json(event).decode() + "\n")
                     else:
                         out.write(format_event(event) + "\n")
                     out.flush()

@@ -43,6 +43,7 @@ __all__ = [
     "WindowOpen",
     "event_kind",
     "event_to_dict",
+    "event_to_json",
     "event_topic",
 ]
 
@@ -339,6 +340,15 @@ def _to_builtin(value: Any) -> Any:
 def event_kind(event: Event) -> str:
     """The tag of an event (``"gpu"``, ``"rapl"``, ``"measurement"``, ...)."""
     return str(type(event).__struct_config__.tag)
+
+
+_json_encoder = msgspec.json.Encoder()
+
+
+def event_to_json(event: Event) -> bytes:
+    """One compact JSON object for an event (:func:`event_to_dict`), no trailing newline: the
+    line format of ``zeus-async subscribe --json``, ``export --format jsonl`` and log files."""
+    return _json_encoder.encode(event_to_dict(event))
 
 
 def event_to_dict(event: Event) -> dict[str, Any]:

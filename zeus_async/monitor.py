@@ -31,7 +31,6 @@ from __future__ import annotations
 import atexit
 import csv
 import io
-import json
 import logging
 import threading
 import time
@@ -46,7 +45,7 @@ from anyio.abc import ObjectReceiveStream
 
 from .aggregate.windows import WindowResult, WindowTracker, next_window_id, pop_open_window
 from .errors import ConfigError
-from .events import Event, Measurement, event_to_dict
+from .events import Event, Measurement, event_to_json
 from .runtime import EmbeddedRuntime
 from .runtime.sampler_process import Edge, SamplerProcess
 
@@ -98,7 +97,7 @@ def window_log_consumer(
                         text = _csv_line(event, header=header_needed)
                         header_needed = False
                     else:
-                        text = json.dumps(event_to_dict(event)) + "\n"
+                        text = event_to_json(event).decode() + "\n"
                     await f.write(text)
                     await f.flush()
                 except OSError:

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 from anyio.abc import ObjectReceiveStream
 from hypothesis import HealthCheck, given, settings
@@ -47,6 +48,7 @@ from zeus_async.store import (
 from zeus_async.store.format import (
     FORMAT_VERSION,
     FRAME_PREFIX_SIZE,
+    PayloadCodec,
     encode_frame,
     encode_header,
     unpack_frame_prefix,
@@ -276,9 +278,11 @@ async def test_recorder_as_runtime_consumer(tmp_path: Path) -> None:
 WRITER = Path(__file__).with_name("writer_proc.py")
 
 
-def _kill_once(path: Path, per_frame: int, min_frames: int, rng: random.Random) -> None:
+def _kill_once(
+    path: Path, per_frame: int, min_frames: int, rng: random.Random, mode: str = "raw"
+) -> None:
     proc = subprocess.Popen(
-        [sys.executable, str(WRITER), str(path), str(per_frame)],
+        [sys.executable, str(WRITER), str(path), str(per_frame), mode],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -303,7 +307,8 @@ def _kill_once(path: Path, per_frame: int, min_frames: int, rng: random.Random) 
     assert report.corrupt_frames == []
     assert report.frames_ok >= reported
     assert report.torn_tail_bytes >= 0
-    assert len(events) == report.frames_ok * per_frame
+    if mode == "raw":
+        assert len(events) == report.frames_ok * per_frame
     assert events == [
         GpuSample(host="w", t_ns=i, gpu=0, power_w=float(i)) for i in range(len(events))
     ]
@@ -318,22 +323,36 @@ def test_kill_minus_9_keeps_every_complete_frame(tmp_path: Path) -> None:
         _kill_once(tmp_path / f"k{i}.zarc", per_frame=rng.choice([1, 7, 64]), min_frames=5, rng=rng)
 
 
+@pytest.mark.slow
+def test_kill_minus_9_of_the_recorder_keeps_every_complete_frame(tmp_path: Path) -> None:
+    """The product's writer (hub -> batched Recorder, aiofiles, zstd) killed at random points."""
+    rng = random.Random(99)
+    for i in range(8):
+        path = tmp_path / f"r{i}.zarc"
+        _kill_once(path, per_frame=rng.choice([16, 100, 1000]), min_frames=3, rng=rng, mode="rec")
+        assert RecordingReader(path).header.compression == "zstd"
+
+
 # -- damaged files -----------------------------------------------------------------------------
 
 
-def _sample_file() -> tuple[bytes, list[Event], list[int]]:
+def _sample_file(compression: str = "none") -> tuple[bytes, list[Event], list[int]]:
     """Bytes of a small recording, its events, and the end offset of each frame."""
     events = one_of_each() + one_of_each(5_000)
-    data = encode_header(HEADER)
+    header = msgspec.structs.replace(HEADER, compression=compression)
+    codec = PayloadCodec(compression)
+    data = encode_header(header)
     ends = []
     for i in range(0, len(events), 4):
-        data += encode_frame(events[i : i + 4])
+        data += encode_frame(events[i : i + 4], codec=codec)
         ends.append(len(data))
     return data, events, ends
 
 
 SAMPLE, SAMPLE_EVENTS, SAMPLE_ENDS = _sample_file()
 HEADER_SIZE = len(encode_header(HEADER))
+ZSAMPLE, _, ZSAMPLE_ENDS = _sample_file("zstd")
+ZHEADER_SIZE = len(encode_header(msgspec.structs.replace(HEADER, compression="zstd")))
 
 
 @contextmanager
@@ -390,6 +409,26 @@ def test_flipped_byte_yields_only_original_events(pos: int, xor: int, cut: int) 
     lost_to_cut = sum(1 for end in SAMPLE_ENDS if end > max(cut, pos + 1))
     assert len(events) >= len(SAMPLE_EVENTS) - 4 - 4 * lost_to_cut
     assert _is_subsequence(between, SAMPLE_EVENTS)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(min_value=0, max_value=len(ZSAMPLE) - 1),
+    st.integers(min_value=1, max_value=255),
+    st.integers(min_value=0, max_value=len(ZSAMPLE)),
+)
+def test_flipped_byte_in_a_compressed_file(pos: int, xor: int, cut: int) -> None:
+    data = bytearray(ZSAMPLE)
+    data[pos] ^= xor
+    try:
+        with _opened(bytes(data[: max(cut, pos + 1)])) as reader:
+            events = list(reader)
+    except CodecError:
+        assert pos < ZHEADER_SIZE or cut < ZHEADER_SIZE
+        return
+    assert _is_subsequence(events, SAMPLE_EVENTS)
+    lost_to_cut = sum(1 for end in ZSAMPLE_ENDS if end > max(cut, pos + 1))
+    assert len(events) >= len(SAMPLE_EVENTS) - 4 - 4 * lost_to_cut
 
 
 def test_single_flip_in_middle_frame_is_reported_and_skipped() -> None:

@@ -66,6 +66,7 @@ from ..events import (
     RaplSample,
     event_kind,
     event_to_dict,
+    event_to_json,
 )
 from .format import RecordingHeader
 from .progress import PROGRESS_EVERY, Progress, ProgressTicker
@@ -571,7 +572,7 @@ def export_jsonl(
     """Write the events of a recording as JSON lines, as ``zeus-async subscribe --json`` does.
 
     Streams the file (constant memory). Each line is
-    ``json.dumps(event_to_dict(event))``.
+    ``event_to_json(event)`` (compact JSON of :func:`event_to_dict`).
 
     Args:
         path_in: The recording.
@@ -591,7 +592,7 @@ def export_jsonl(
     written = 0
     with _open_out(path_out) as out:
         for event in events:
-            out.write(json.dumps(event_to_dict(event)).encode() + b"\n")
+            out.write(event_to_json(event) + b"\n")
             written += 1
             ticker.tick()
     ticker.finish()
