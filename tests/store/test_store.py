@@ -572,3 +572,36 @@ def test_the_documented_version_1_example_still_reads(tmp_path: Path) -> None:
     assert reader.header.meta == {"k": "v"} and reader.header.argv == ["a"]
     assert list(reader) == [GpuSample(host="h", t_ns=5, gpu=0, power_w=100.0)]
     assert reader.report.clean
+
+
+@pytest.mark.anyio
+async def test_a_large_flush_is_sealed_in_parallel_groups_and_stays_in_order(
+    tmp_path: Path,
+) -> None:
+    """Many frames in one flush: groups are compressed by several worker threads at once
+    (each with its own Zstandard context) and written in order."""
+    from zeus_async.testing.fakes import realistic_gpu_samples
+
+    events = realistic_gpu_samples(20_000, t0_ns=10**18, step_ns=1000)
+    batches = EventBatches(len(events))
+    for e in events:
+        batches.send_nowait(e)
+    batches.close()
+    path = tmp_path / "big.zarc"
+    header = msgspec.structs.replace(HEADER, compression="zstd")
+    rec = Recorder(path, header=header, flush_events=37)
+    await rec.run(batches)
+    reader = RecordingReader(path)
+    assert list(reader) == events
+    assert reader.report.frames_ok == rec.frames_written == -(-len(events) // 37)
+
+
+def test_payload_codec_from_many_threads() -> None:
+    import concurrent.futures
+
+    codec = PayloadCodec("zstd")
+    payloads = [bytes([i]) * (10_000 + i) for i in range(64)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        packed = list(pool.map(codec.compress, payloads))
+        back = list(pool.map(codec.expand, packed))
+    assert back == payloads

@@ -27,6 +27,7 @@ import os
 import socket
 import struct
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Sequence
@@ -62,6 +63,7 @@ __all__ = [
     "encode_header",
     "pack_frame_prefix",
     "pack_header_prefix",
+    "seal_frame",
     "unpack_frame_prefix",
     "unpack_header_prefix",
 ]
@@ -153,6 +155,9 @@ def default_header(
 class PayloadCodec:
     """Compresses frame payloads on write and expands them on read, per the header's codec.
 
+    Thread-safe: Zstandard contexts must not be shared by threads running at the same time,
+    so each thread gets its own.
+
     Raises:
         CodecError: An unknown codec name.
     """
@@ -163,14 +168,23 @@ class PayloadCodec:
                 f"unknown recording compression {compression!r} (known: {list(COMPRESSIONS)})"
             )
         self.compression = compression
-        self._c: zstandard.ZstdCompressor | None = None
-        self._d: zstandard.ZstdDecompressor | None = None
-        if compression == "zstd":
-            self._c = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-            self._d = zstandard.ZstdDecompressor()
+        self._zstd = compression == "zstd"
+        self._local = threading.local()
+
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        c: zstandard.ZstdCompressor | None = getattr(self._local, "c", None)
+        if c is None:
+            c = self._local.c = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        return c
+
+    def _decompressor(self) -> zstandard.ZstdDecompressor:
+        d: zstandard.ZstdDecompressor | None = getattr(self._local, "d", None)
+        if d is None:
+            d = self._local.d = zstandard.ZstdDecompressor()
+        return d
 
     def compress(self, payload: bytes) -> bytes:
-        return payload if self._c is None else self._c.compress(payload)
+        return self._compressor().compress(payload) if self._zstd else payload
 
     def expand(self, stored: bytes) -> bytes:
         """The msgpack payload of stored frame bytes.
@@ -178,10 +192,10 @@ class PayloadCodec:
         Raises:
             CodecError: Bytes that do not decompress (damage the CRC did not catch).
         """
-        if self._d is None:
+        if not self._zstd:
             return stored
         try:
-            return self._d.decompress(stored, max_output_size=MAX_PAYLOAD)
+            return self._decompressor().decompress(stored, max_output_size=MAX_PAYLOAD)
         except zstandard.ZstdError as exc:
             raise CodecError(f"frame does not decompress: {exc}") from None
 
@@ -322,11 +336,22 @@ def encode_frame(
     if not events:
         raise CodecError("a frame needs at least one event")
     payload = (encoder or EventEncoder()).encode(list(events))
+    return seal_frame(payload, events[0].t_ns, codec)
+
+
+def seal_frame(payload: bytes, first_t_ns: int, codec: PayloadCodec | None = None) -> bytes:
+    """The frame around an encoded msgpack batch: compress it (``codec``), prefix and CRC.
+
+    The second half of :func:`encode_frame`, separate so a writer can run it off the event
+    loop (Zstandard and CRC32 release the GIL).
+
+    Raises:
+        CodecError: A ``first_t_ns`` outside u64, or a payload over 4 GiB.
+    """
     if codec is not None:
         payload = codec.compress(payload)
     if len(payload) > MAX_PAYLOAD:
         raise CodecError(f"frame payload too large ({len(payload)} bytes)")
-    first_t_ns = events[0].t_ns
     if not 0 <= first_t_ns <= _U64_MAX:
         raise CodecError(f"event t_ns {first_t_ns} does not fit a u64")
     return pack_frame_prefix(len(payload), zlib.crc32(payload), first_t_ns) + payload

@@ -301,13 +301,28 @@ class RecordingReader:
         Raises:
             ConfigError: An unknown kind.
         """
+        for batch in self.batches(kinds, topics_prefix, devices):
+            yield from batch
+
+    def batches(
+        self,
+        kinds: Collection[str] | None = None,
+        topics_prefix: str | None = None,
+        devices: Collection[str] | None = None,
+    ) -> Iterator[list[Event]]:
+        """The events of :meth:`events`, a list per valid frame (empty lists are skipped).
+
+        The bulk form of the reader: the same decoded events without a generator step per
+        event, for consumers that handle lists (replay, analysis, export, benchmarks).
+        """
         keep = _predicate(kinds, topics_prefix, devices)
         report = self._new_report()
         for _, _, events in self._frames_from(self.data_offset, report):
-            if keep is None:
-                yield from events
-            else:
-                yield from filter(keep, events)
+            if keep is not None:
+                events = [e for e in events if keep(e)]
+                if not events:
+                    continue
+            yield events
 
     async def aiter(
         self,

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import aiofiles
 import anyio
+import anyio.lowlevel
 import msgspec
 from anyio.abc import ObjectReceiveStream
 from anyio.streams.memory import MemoryObjectReceiveStream
@@ -36,11 +37,15 @@ from .format import (
     default_header,
     encode_frame,
     encode_header,
+    seal_frame,
 )
 
 __all__ = ["Recorder", "recording_parts", "rotated_path", "write_recording"]
 
 logger = logging.getLogger(__name__)
+
+#: Frames sealed (compressed, checksummed) per trip to a worker thread.
+_SEAL_GROUP = 4
 
 
 class _Sink(Protocol):
@@ -313,26 +318,64 @@ class Recorder:
             assert self._armed is not None
             self._armed = anyio.Event()
             step = self.flush_events
-            pending: list[bytes] = []
-            for i in range(0, len(events), step):
-                frame = encode_frame(events[i : i + step], self._encoder, self._codec)
-                if (
-                    self.rotate_bytes is not None
-                    and self._file_bytes + sum(map(len, pending)) + len(frame) > self.rotate_bytes
-                    and (self._part_frames or pending)
-                ):
-                    await self._write(b"".join(pending))
-                    pending = []
-                    await self._close_part()
-                    await self._open_part()
-                pending.append(frame)
-                self._part_frames += 1
-            await self._write(pending[0] if len(pending) == 1 else b"".join(pending))
+            for frames in await self._seal(events):
+                await self._write_frames(frames)
             assert self._sink is not None
             await self._sink.flush()
             # Counted once the frames reached the OS, so a reader sees what the counters say.
             self.events_written += len(events)
             self.frames_written += -(-len(events) // step)
+
+    async def _seal(self, events: list[Event]) -> list[list[bytes]]:
+        """Encode ``events`` into frames, groups of :data:`_SEAL_GROUP` frames at a time.
+
+        msgpack runs on the event loop (it holds the GIL anyway); compression and CRC32 of
+        each group run in a worker thread, where they release the GIL — so sealing group k
+        overlaps with encoding group k + 1.
+        """
+        step = self.flush_events
+        codec = self._codec
+        groups: list[list[bytes]] = []
+        span = step * _SEAL_GROUP
+        async with anyio.create_task_group() as tg:
+            for g in range(0, len(events), span):
+                part = events[g : g + span]
+                payloads = [
+                    (self._encoder.encode(part[i : i + step]), part[i].t_ns)
+                    for i in range(0, len(part), step)
+                ]
+                slot: list[bytes] = []
+                groups.append(slot)
+
+                async def seal(payloads: list[tuple[bytes, int]], slot: list[bytes]) -> None:
+                    slot.extend(
+                        await anyio.to_thread.run_sync(
+                            lambda: [seal_frame(p, t, codec) for p, t in payloads]
+                        )
+                    )
+
+                tg.start_soon(seal, payloads, slot)
+                await anyio.lowlevel.checkpoint()  # let it hand the group to its thread
+        return groups
+
+    async def _write_frames(self, frames: list[bytes]) -> None:
+        """Write sealed frames in one go, starting a new part first where rotation says so."""
+        pending: list[bytes] = []
+        for frame in frames:
+            if (
+                self.rotate_bytes is not None
+                and self._file_bytes + sum(map(len, pending)) + len(frame) > self.rotate_bytes
+                and (self._part_frames or pending)
+            ):
+                if pending:
+                    await self._write(b"".join(pending))
+                pending = []
+                await self._close_part()
+                await self._open_part()
+            pending.append(frame)
+            self._part_frames += 1
+        if pending:
+            await self._write(pending[0] if len(pending) == 1 else b"".join(pending))
 
 
 def write_recording(
