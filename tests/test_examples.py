@@ -70,3 +70,13 @@ def test_analyze_recording_example_on_a_committed_recording() -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("(same on replay)") == 6
     assert "middle second of gpu:0" in proc.stdout and "9 frames" in proc.stdout
+
+
+def test_power_limit_training_example() -> None:
+    import pytest  # here, not at the top: this test is appended to a shared file
+
+    pytest.importorskip("torch")
+    proc = _run(str(EXAMPLES / "power_limit_training.py"), "--selector", "energy")
+    assert proc.returncode == 0, proc.stderr
+    assert "chosen power limit:" in proc.stdout
+    assert "limit W" in proc.stdout and "profiling steps:" in proc.stdout

@@ -255,3 +255,28 @@ def test_record_writes_samples_edges_and_measurements(tmp_path: Path, sampler: s
     assert kinds == [WindowOpen, WindowClose, Measurement]
     recorded = next(e for e in events if isinstance(e, Measurement))
     assert recorded.gpu_energy_j == m.gpu_energy_j
+
+
+def test_thread_monitor_left_open_still_writes_its_recording_at_exit(tmp_path: Path) -> None:
+    """Closed by the interpreter's exit hooks, not by the program: the recording (written
+    through aiofiles' executor) must still be flushed and complete."""
+    import subprocess
+    import sys
+
+    from zeus_async.events import Measurement
+    from zeus_async.store import RecordingReader
+
+    path = tmp_path / "left-open.zarc"
+    script = (
+        "import time\n"
+        "from zeus_async import Monitor\n"
+        f"m = Monitor(backend='sim', sampler='thread', record={str(path)!r},"
+        " sync_execution_with=None)\n"
+        "m.begin_window('x'); time.sleep(0.3); m.end_window('x')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    reader = RecordingReader(path)
+    events = list(reader)
+    assert reader.report.clean
+    assert [e.name for e in events if isinstance(e, Measurement)] == ["x"]

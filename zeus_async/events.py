@@ -35,6 +35,7 @@ __all__ = [
     "GpuSample",
     "Heartbeat",
     "Measurement",
+    "OptimizerState",
     "PowerLimitChange",
     "ProcessSample",
     "RaplSample",
@@ -181,6 +182,28 @@ class PowerLimitChange(msgspec.Struct, tag="power_limit", **_OPTS):
     source: str = ""
 
 
+class OptimizerState(msgspec.Struct, tag="optimizer", **_OPTS):
+    """An optimizer changed state or decided something (power limit, frequency plan, ...).
+
+    Attributes:
+        optimizer: Which optimizer (``"power_limit"``).
+        state: The state entered (``ready``, ``warmup``, ``profiling``, ``done``, ...).
+        power_limit_w: The power limit the state is about (being profiled, or chosen).
+        steps: Steps the state lasts (or lasted), when it counts steps.
+        detail: Human-readable context (why the state changed, the selector, ...).
+        values: Figures behind the decision (``energy_j``, ``time_s``, ``cost``, ...).
+    """
+
+    host: str
+    t_ns: int
+    optimizer: str
+    state: str
+    power_limit_w: float | None = None
+    steps: int | None = None
+    detail: str = ""
+    values: dict[str, float] = msgspec.field(default_factory=dict)
+
+
 class ClockChange(msgspec.Struct, tag="clock", **_OPTS):
     """GPU SM clocks were locked to ``[min_hz, max_hz]``, or reset when both are ``None``."""
 
@@ -262,6 +285,7 @@ Event = (
     | DeviceFault
     | StreamInfo
     | Heartbeat
+    | OptimizerState
 )
 """The tagged union of every event kind."""
 
@@ -286,6 +310,8 @@ def event_topic(event: Event) -> str:
         return f"control/{event.host}/{event.gpu}"
     if isinstance(event, DeviceFault):
         return f"fault/{event.host}/{event.device}"
+    if isinstance(event, OptimizerState):
+        return f"optimizer/{event.host}/{event.optimizer}"
     return f"stream/{event.host}"
 
 

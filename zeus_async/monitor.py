@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import atexit
 import csv
+import functools
 import io
 import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
@@ -45,7 +47,7 @@ from anyio.abc import ObjectReceiveStream
 
 from .aggregate.windows import WindowResult, WindowTracker, next_window_id, pop_open_window
 from .errors import ConfigError
-from .events import Event, Measurement, event_to_json
+from .events import DeviceInfo, Event, Measurement, event_to_json
 from .runtime import EmbeddedRuntime
 from .runtime.sampler_process import Edge, SamplerProcess
 
@@ -128,6 +130,24 @@ def _torch_sync(gpu_indices: Sequence[int]) -> None:
         return
     for index in gpu_indices:
         cuda.synchronize(index)
+
+
+def _close_at_exit(close: Callable[[], None]) -> None:
+    """Run ``close`` when the interpreter exits, early enough that worker threads still run.
+
+    ``concurrent.futures`` shuts its executors down in ``threading``'s exit hooks, *before*
+    ``atexit`` callbacks; a monitor closed from ``atexit`` could no longer flush its recording
+    (aiofiles writes through the default executor). CPython's ``threading._register_atexit``
+    runs callbacks before that shutdown; ``atexit`` is the fallback elsewhere.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        atexit.register(close)
+        return
+    try:
+        register(close)
+    except RuntimeError:  # already shutting down
+        atexit.register(close)
 
 
 class Monitor:
@@ -229,7 +249,7 @@ class Monitor:
             self._tracker = runtime.tracker
             self.gpu_indices = sorted(self._tracker.gpu_indices)
             self.cpu_indices = sorted(self._tracker.cpu_packages)
-        atexit.register(self.close)
+        _close_at_exit(self.close)
 
     # -- windows --------------------------------------------------------------------------------
 
@@ -332,7 +352,42 @@ class Monitor:
         with self._lock:
             return list(self._open)
 
-    # -- logging --------------------------------------------------------------------------------
+    # -- device control -------------------------------------------------------------------------
+
+    @property
+    def gpu_devices(self) -> list[DeviceInfo]:
+        """Descriptions of the monitored GPUs (model, architecture, power-limit range, ...)."""
+        if self._process is not None:
+            return list(self._process.devices)
+        assert self._embedded is not None and self._embedded.runtime is not None
+        return [d.describe() for d in self._embedded.runtime.devices if d.key.startswith("gpu:")]
+
+    def set_power_limit(
+        self, watts: float, gpus: Sequence[int] | None = None, *, source: str = ""
+    ) -> Future[Any]:
+        """Set the power limit of monitored GPUs (all by default) without waiting.
+
+        The change runs where the devices are sampled (the sampler process or the runtime's
+        thread), is published as a ``PowerLimitChange`` event, and takes effect in the
+        measurements from then on. Returns a future: ``.result()`` waits for it and raises
+        ``NoPermissionError`` / ``ConfigError`` on failure.
+        """
+        self._check_open()
+        if self._process is not None:
+            return self._process.control("set_power_limit", watts=watts, gpus=gpus, source=source)
+        assert self._embedded is not None and self._embedded.runtime is not None
+        runtime = self._embedded.runtime
+        return self._embedded.call_soon(
+            functools.partial(runtime.set_power_limit, watts, gpus, source=source)
+        )
+
+    def publish(self, event: Event) -> Future[Any]:
+        """Publish ``event`` on the monitor's stream (bus, recording, log) without waiting."""
+        self._check_open()
+        if self._process is not None:
+            return self._process.control("publish", event=event)
+        assert self._embedded is not None and self._embedded.runtime is not None
+        return self._embedded.call_soon(self._embedded.runtime.publish, event)
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -17,9 +17,10 @@ import anyio
 import msgspec
 import zmq
 import zmq.asyncio
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .runtime import Runtime
-from .sampler_process import ChildConfig, Edge, Reply, Stop
+from .sampler_process import ChildConfig, Control, Edge, Reply, Stop
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ async def _run(cfg: ChildConfig) -> None:
     replies = sctx.socket(zmq.PUSH)
     replies.connect(cfg.replies)
     enc = msgspec.msgpack.Encoder()
-    dec = msgspec.msgpack.Decoder(Edge | Stop)
+    dec = msgspec.msgpack.Decoder(Edge | Stop | Control)
 
     def send(reply: Reply) -> None:
         try:
@@ -72,14 +73,43 @@ async def _run(cfg: ChildConfig) -> None:
                     cpus=sorted(tracker.cpu_packages),
                     backend=rt.backend,
                     endpoint=endpoint,
+                    devices=[d.describe() for d in rt.devices if d.key.startswith("gpu:")],
                 )
             )
+
+            async def control_worker(queue: MemoryObjectReceiveStream[Control]) -> None:
+                async for msg in queue:  # one at a time, in the order the parent sent them
+                    await control(msg)
+
+            async def control(msg: Control) -> None:
+                try:
+                    if msg.op == "set_power_limit":
+                        await rt.set_power_limit(msg.watts, msg.gpus, source=msg.source)
+                    elif msg.event is not None:
+                        await rt.publish(msg.event)
+                except Exception as exc:
+                    send(
+                        Reply(
+                            kind="control",
+                            seq=msg.seq,
+                            error_type=type(exc).__name__,
+                            message=str(exc),
+                        )
+                    )
+                else:
+                    send(Reply(kind="control", seq=msg.seq))
+
+            controls_in, controls_out = anyio.create_memory_object_stream[Control](1000)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_watch_parent, cfg.parent_pid, tg.cancel_scope)
+                tg.start_soon(control_worker, controls_out)
                 while True:
                     msg = dec.decode(await edges.recv())
                     if isinstance(msg, Stop):
                         break
+                    if isinstance(msg, Control):
+                        await controls_in.send(msg)
+                        continue
                     try:
                         if msg.open:
                             tracker.open(

@@ -31,9 +31,9 @@ from anyio.abc import ObjectReceiveStream, TaskGroup, TaskStatus
 from ..aggregate.windows import WindowResult, WindowTracker
 from ..clock import Clock, RealClock
 from ..devices import OpenedDevices, open_devices
-from ..devices.base import Device
+from ..devices.base import Device, GpuControl
 from ..errors import ConfigError
-from ..events import Event, StreamInfo
+from ..events import Event, PowerLimitChange, StreamInfo
 from .hub import EventBatches, Hub
 from .sampler import Sampler
 
@@ -148,6 +148,7 @@ class Runtime:
         self._sampler_scope: anyio.CancelScope
         self._samplers_done: anyio.Event
         self._consumer_scopes: list[anyio.CancelScope] = []
+        self._control_lock = anyio.Lock()
         self._consumers_done: anyio.Event
         self._consumers_running = 0
         self._owns_devices = devices is None
@@ -344,6 +345,55 @@ class Runtime:
                 await self.tracker.run_pump(min(self.period_s, 0.01))
         finally:
             self._tracker_done.set()
+
+    async def set_power_limit(
+        self, watts: float, gpus: Sequence[int] | None = None, *, source: str = ""
+    ) -> list[PowerLimitChange]:
+        """Set the power limit of GPUs (all by default); returns the published changes.
+
+        Each NVML call runs in a worker thread (it can take milliseconds), so sampling and the
+        event loop never wait on it. A :class:`~zeus_async.events.PowerLimitChange` event is
+        published for every GPU whose limit was set, with ``source`` saying who asked.
+
+        Raises:
+            NoPermissionError: The process may not change power limits.
+            ConfigError: ``watts`` outside a GPU's range, or an unknown GPU index.
+        """
+        controls = self._gpu_controls(gpus)
+        changes: list[PowerLimitChange] = []
+        # One change at a time, in the order asked (callers from other threads start a task
+        # per request; the lock is FIFO, so the last request is the limit left in force).
+        async with self._control_lock:
+            for control in controls:
+                changes.append(await self._set_one_limit(control, watts, source))
+        return changes
+
+    async def _set_one_limit(
+        self, control: GpuControl, watts: float, source: str
+    ) -> PowerLimitChange:
+        previous = await anyio.to_thread.run_sync(control.get_power_limit_w)
+        await anyio.to_thread.run_sync(control.set_power_limit_w, watts)
+        change = PowerLimitChange(
+            host=self.host,
+            t_ns=self.clock.wall_ns(),
+            gpu=control.index,
+            power_limit_w=float(watts),
+            previous_w=previous,
+            source=source,
+        )
+        await self.publish(change)
+        return change
+
+    def _gpu_controls(self, gpus: Sequence[int] | None) -> list[GpuControl]:
+        controls = {d.index: d for d in self.devices if isinstance(d, GpuControl)}
+        if gpus is None:
+            return [controls[i] for i in sorted(controls)]
+        unknown = [g for g in gpus if g not in controls]
+        if unknown:
+            raise ConfigError(
+                f"GPU(s) {unknown} are not controlled by this runtime (it has {sorted(controls)})"
+            )
+        return [controls[g] for g in gpus]
 
     def publish_nowait(self, event: Event) -> None:
         """Publish from the runtime's thread without awaiting (a task finishes it if needed)."""

@@ -21,14 +21,16 @@ import sys
 import tempfile
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from concurrent.futures import Future
+from typing import Any, Literal
 
 import msgspec
 import zmq
 
+from .. import errors
 from ..aggregate.windows import WindowResult
 from ..errors import ConfigError
-from ..events import Measurement
+from ..events import DeviceInfo, Event, Measurement
 
 __all__ = ["SamplerProcess"]
 
@@ -71,16 +73,42 @@ class Stop(msgspec.Struct, tag="stop", array_like=True):
     """Parent to child: finalize pending windows and exit."""
 
 
+class Control(msgspec.Struct, tag="control", array_like=True):
+    """Parent to child: act on the devices or the stream; answered by a ``control`` reply.
+
+    ``op`` is ``set_power_limit`` (``watts`` on ``gpus``, all when ``None``) or ``publish``
+    (``event`` published on the child's hub).
+    """
+
+    seq: int
+    op: Literal["set_power_limit", "publish"]
+    watts: float = 0.0
+    gpus: list[int] | None = None
+    source: str = ""
+    event: Event | None = None
+
+
 class Reply(msgspec.Struct, omit_defaults=True):
     """Child to parent."""
 
-    kind: Literal["ready", "measurement", "error"]
+    kind: Literal["ready", "measurement", "error", "control"]
     gpus: list[int] = []
     cpus: list[int] = []
     backend: str = ""
     endpoint: str | None = None
     measurement: Measurement | None = None
     message: str = ""
+    seq: int = 0
+    error_type: str = ""
+    devices: list[DeviceInfo] = []
+
+
+def control_error(error_type: str, message: str) -> Exception:
+    """The exception a failed control reply stands for (typed where it is one of ours)."""
+    cls = getattr(errors, error_type, None)
+    if isinstance(cls, type) and issubclass(cls, errors.ZeusAsyncError):
+        return cls(message)
+    return RuntimeError(f"{error_type}: {message}" if error_type else message)
 
 
 class SamplerProcess:
@@ -126,6 +154,8 @@ class SamplerProcess:
         # Edges go through this queue; the I/O thread sends them (it alone owns the sockets).
         self._outbox: collections.deque[bytes] = collections.deque()
         self._pending: dict[int, WindowResult] = {}
+        self._controls: dict[int, Future[Any]] = {}
+        self._control_seq = 0
         self._pending_lock = threading.Lock()
         self._stopped = False
         self._failure: str | None = None
@@ -164,6 +194,7 @@ class SamplerProcess:
         self.cpu_indices: list[int] = ready.cpus
         self.backend = ready.backend
         self.endpoint = ready.endpoint
+        self.devices: list[DeviceInfo] = ready.devices
         self._reader = threading.Thread(
             target=self._read_replies, name="zeus-async-sampler-io", daemon=True
         )
@@ -211,6 +242,34 @@ class SamplerProcess:
                 return
             self._pending[result.window_id] = result
 
+    def control(
+        self,
+        op: Literal["set_power_limit", "publish"],
+        *,
+        watts: float = 0.0,
+        gpus: Sequence[int] | None = None,
+        source: str = "",
+        event: Event | None = None,
+    ) -> Future[Any]:
+        """Ask the child to act (see :class:`Control`); returns at once with a future.
+
+        The future resolves when the child has done it, or fails with the child's error
+        (typed: ``NoPermissionError``, ``ConfigError``, ...).
+        """
+        future: Future[Any] = Future()
+        with self._pending_lock:
+            if self._failure is not None:
+                future.set_exception(RuntimeError(self._failure))
+                return future
+            self._control_seq += 1
+            seq = self._control_seq
+            self._controls[seq] = future
+        msg = Control(
+            seq, op, watts, None if gpus is None else list(gpus), source=source, event=event
+        )
+        self._outbox.append(self._enc.encode(msg))
+        return future
+
     def _flush_edges(self) -> None:
         outbox = self._outbox
         while outbox:
@@ -237,6 +296,14 @@ class SamplerProcess:
                         result = self._pending.pop(reply.measurement.window_id, None)
                     if result is not None:
                         result._resolve(reply.measurement)
+                elif reply.kind == "control":
+                    with self._pending_lock:
+                        future = self._controls.pop(reply.seq, None)
+                    if future is not None:
+                        if reply.error_type or reply.message:
+                            future.set_exception(control_error(reply.error_type, reply.message))
+                        else:
+                            future.set_result(None)
                 elif reply.kind == "error":
                     self._fail_all(f"sampler process failed: {reply.message}")
                 continue
@@ -251,10 +318,14 @@ class SamplerProcess:
         with self._pending_lock:
             self._failure = message
             pending, self._pending = self._pending, {}
+            controls, self._controls = self._controls, {}
         if not self._stopped:
             logger.error("%s", message)
         for result in pending.values():
             result._fail(RuntimeError(message))
+        for future in controls.values():
+            if not future.done():
+                future.set_exception(RuntimeError(message))
 
     # -- shutdown ---------------------------------------------------------------------------------
 

@@ -1,0 +1,826 @@
+"""Power-limit optimization: just-in-time profiling of GPU power limits during training.
+
+The same semantics as Zeus's ``GlobalPowerLimitOptimizer`` (seed 001): starting at the highest
+power limit and stepping down by ``pl_step`` W, each limit is warmed up for ``warmup_steps``
+training steps and profiled for ``profile_steps``; an :class:`OptimumSelector` then picks the
+limit from the measured energy and time, and training continues at it. The state machine::
+
+    Ready --(wait_steps)--> Warmup --(warmup_steps)--> Profiling --(profile_steps)--> Warmup ...
+                                                                  \\-> Done (last limit)
+    Warmup/Profiling --on_epoch_end--> Ready (the same limit again, after one step)
+
+What differs is the cost on the training thread and what you can see:
+
+* ``on_step_begin()`` is a few attribute updates; window edges are deque appends and power-limit
+  changes are handed to the runtime (the sampler process or thread) and never waited for.
+  Measurements resolve in the background; the choice is made off the training thread as soon
+  as the last one is in.
+* Every state change and the chosen limit are :class:`~zeus_async.events.OptimizerState`
+  events, and every limit change a ``PowerLimitChange``, on the monitor's bus and recording.
+* ``adaptive=True`` profiles each limit only until its per-step time and energy are known
+  within ``adaptive_tolerance`` (95 % confidence), and stops descending once the selector's
+  choice can no longer change (see :class:`AdaptiveOptions`): the same optimum in far fewer
+  steps.
+
+Limits are restored to the maximum on :meth:`GlobalPowerLimitOptimizer.close`, at interpreter
+exit, on an exception leaving a ``with`` block, and on SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import importlib
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
+
+import msgspec
+
+from ..errors import ConfigError, NoPermissionError
+from ..events import OptimizerState
+
+if TYPE_CHECKING:
+    from ..aggregate.windows import WindowResult
+    from ..monitor import Monitor
+
+__all__ = [
+    "AdaptiveOptions",
+    "Done",
+    "Energy",
+    "GlobalPowerLimitOptimizer",
+    "MaxSlowdownConstraint",
+    "OptimumSelector",
+    "PowerLimitMeasurement",
+    "PowerLimitProfile",
+    "Profiling",
+    "Ready",
+    "Time",
+    "Warmup",
+    "ZeusCost",
+    "zeus_cost",
+]
+
+logger = logging.getLogger(__name__)
+
+PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+
+#: ``source`` of the power-limit changes and ``optimizer`` of the events this module publishes.
+SOURCE = "power_limit"
+
+
+# -- measurements and selectors -------------------------------------------------------------------
+
+
+class PowerLimitMeasurement(msgspec.Struct, frozen=True):
+    """Energy (J, all GPUs) and time (s) of the profiled steps at one power limit (W).
+
+    Raises:
+        ValueError: A value that is not positive (also when decoding a profile).
+    """
+
+    power_limit: PositiveInt
+    energy: PositiveFloat
+    time: PositiveFloat
+
+    def __post_init__(self) -> None:
+        if not (self.power_limit > 0 and self.energy > 0 and self.time > 0):
+            raise ValueError(f"power limit, energy and time must be positive: {self!r}")
+
+
+class PowerLimitProfile(msgspec.Struct):
+    """The file ``profile_path`` holds: every measurement, highest limit first."""
+
+    measurements: list[PowerLimitMeasurement]
+
+
+class OptimumSelector(Protocol):
+    """Picks the power limit (W) from profiling measurements."""
+
+    def select(self, measurements: Sequence[PowerLimitMeasurement]) -> int: ...
+
+
+def _nonempty(measurements: Sequence[PowerLimitMeasurement]) -> None:
+    if not measurements:
+        raise ValueError("no measurements to select a power limit from")
+
+
+class Energy:
+    """The limit with the least energy."""
+
+    def select(self, measurements: Sequence[PowerLimitMeasurement]) -> int:
+        _nonempty(measurements)
+        return min(measurements, key=lambda m: m.energy).power_limit
+
+    def cost(
+        self, m: PowerLimitMeasurement, measurements: Sequence[PowerLimitMeasurement]
+    ) -> float:
+        return m.energy
+
+
+class Time:
+    """The limit with the shortest time (ties, and noise among equal times, favour the first
+    profiled, i.e. the higher limit)."""
+
+    def select(self, measurements: Sequence[PowerLimitMeasurement]) -> int:
+        _nonempty(measurements)
+        return min(measurements, key=lambda m: m.time).power_limit
+
+    def cost(
+        self, m: PowerLimitMeasurement, measurements: Sequence[PowerLimitMeasurement]
+    ) -> float:
+        return m.time
+
+
+def zeus_cost(energy: float, time: float, eta_knob: float, max_power: float) -> float:
+    """Zeus's energy-time cost: ``eta · energy + (1 - eta) · max_power · time``."""
+    return eta_knob * energy + (1 - eta_knob) * max_power * time
+
+
+class ZeusCost:
+    """The limit minimizing :func:`zeus_cost`, with ``max_power`` = the highest profiled limit
+    times ``world_size``.
+
+    Raises:
+        ValueError: ``eta_knob`` outside [0, 1] or ``world_size < 1``.
+    """
+
+    def __init__(self, eta_knob: float, world_size: int = 1) -> None:
+        if not 0.0 <= eta_knob <= 1.0:
+            raise ValueError(f"eta_knob must be between 0 and 1 (inclusive), got {eta_knob!r}")
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size!r}")
+        self.eta_knob = eta_knob
+        self.world_size = world_size
+
+    def cost(
+        self, m: PowerLimitMeasurement, measurements: Sequence[PowerLimitMeasurement]
+    ) -> float:
+        max_power = max(x.power_limit for x in measurements) * self.world_size
+        return zeus_cost(m.energy, m.time, self.eta_knob, max_power)
+
+    def select(self, measurements: Sequence[PowerLimitMeasurement]) -> int:
+        _nonempty(measurements)
+        return min(measurements, key=lambda m: self.cost(m, measurements)).power_limit
+
+
+class MaxSlowdownConstraint:
+    """The lowest limit whose time is within ``factor`` times the time at the highest limit.
+
+    Raises:
+        ValueError: ``factor < 1``.
+    """
+
+    def __init__(self, factor: float) -> None:
+        if not factor >= 1.0:
+            raise ValueError(f"the slowdown factor must be at least 1.0, got {factor!r}")
+        self.factor = factor
+
+    def select(self, measurements: Sequence[PowerLimitMeasurement]) -> int:
+        _nonempty(measurements)
+        top = max(measurements, key=lambda m: m.power_limit)
+        return min(m.power_limit for m in measurements if m.time <= self.factor * top.time)
+
+
+# -- states ---------------------------------------------------------------------------------------
+
+
+class Ready(msgspec.Struct):
+    """Waiting ``steps`` more steps before warming up ``next_power_limit`` (initial state)."""
+
+    next_power_limit: int
+    steps: int
+
+
+class Warmup(msgspec.Struct):
+    """Warming up at ``current_power_limit`` for ``steps`` more steps."""
+
+    current_power_limit: int
+    steps: int
+
+
+class Profiling(msgspec.Struct):
+    """Measuring ``current_power_limit``: ``steps`` more steps (0: waiting for the choice)."""
+
+    current_power_limit: int
+    steps: int
+
+
+class Done(msgspec.Struct):
+    """The choice is made and in force (also the initial state with a saved profile)."""
+
+    optimal_power_limit: int
+
+
+State = Ready | Warmup | Profiling | Done
+
+
+class AdaptiveOptions(msgspec.Struct, frozen=True):
+    """Settings of adaptive profiling.
+
+    A limit's profiling stops once at least ``min_steps`` per-step measurements are in and the
+    95 % confidence half-widths of the mean step time and the mean step energy are both within
+    ``tolerance`` of the means (or after ``profile_steps``); the measurement is then scaled to
+    ``profile_steps`` steps so it compares with full profiles. Descending stops when the
+    selector's choice can no longer change, assuming step time does not fall and the selector's
+    cost is unimodal as the limit drops: for ``MaxSlowdownConstraint`` at the first limit slower
+    than allowed; for the others once the latest ``patience`` limits all cost more than the
+    best by more than twice ``tolerance``.
+    """
+
+    tolerance: float = 0.01
+    min_steps: int = 6
+    patience: int = 2
+
+
+def _t95(n: int) -> float:
+    """Two-sided 95 % Student-t quantile for ``n - 1`` degrees of freedom."""
+    table = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+    return table.get(n - 1, 2.23 if n - 1 < 15 else 2.0 if n - 1 < 60 else 1.96)
+
+
+class _Running:
+    """Mean and variance of a stream of values, updated in O(1) (Welford)."""
+
+    __slots__ = ("m2", "mean", "n")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.mean = 0.0
+        self.m2 = 0.0
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        delta = x - self.mean
+        self.mean += delta / self.n
+        self.m2 += delta * (x - self.mean)
+
+    def cv(self) -> float:
+        """Sample standard deviation over mean."""
+        if self.n < 2 or self.mean <= 0:
+            return math.inf
+        return math.sqrt(self.m2 / (self.n - 1)) / self.mean
+
+
+class _StepStats:
+    """Per-step windows of one profiled limit (adaptive mode)."""
+
+    def __init__(self) -> None:
+        self.pending: collections.deque[WindowResult] = collections.deque()
+        self.time = _Running()
+        self.energy = _Running()
+
+    @property
+    def n(self) -> int:
+        return self.time.n
+
+    def collect(self) -> None:
+        pending = self.pending
+        while pending and pending[0].done():
+            result = pending.popleft()
+            try:
+                m = result.wait(0)
+            except Exception:  # a cancelled or failed step window: skip it
+                continue
+            if m.gpu_energy_j:
+                self.time.add(m.time_s)
+                self.energy.add(sum(m.gpu_energy_j.values()))
+
+    def relative_half_widths(self) -> tuple[float, float]:
+        """95 % confidence half-widths of the mean step time and energy, relative to them."""
+        n = self.n
+        if n < 2:
+            return math.inf, math.inf
+        t = _t95(n) / math.sqrt(n)
+        return t * self.time.cv(), t * self.energy.cv()
+
+
+# -- the optimizer --------------------------------------------------------------------------------
+
+
+class GlobalPowerLimitOptimizer:
+    """Finds the optimal GPU power limit by profiling during training (see the module doc).
+
+    Args:
+        monitor: The :class:`~zeus_async.Monitor` measuring the GPUs to optimize (all of its
+            GPUs get the same limit). With several ranks, each rank's monitor watches its GPU.
+        optimum_selector: Default ``ZeusCost(eta_knob=0.5, world_size=len(monitor GPUs))``.
+        wait_steps: Steps to let pass before the first warmup.
+        warmup_steps: Steps at each limit before profiling it.
+        profile_steps: Steps profiled at each limit.
+        pl_step: Stride between profiled limits (W).
+        profile_path: An existing file: load the measurements from it and skip profiling; a
+            new file: profile and save the measurements to it.
+        adaptive: Profile adaptively (:class:`AdaptiveOptions`; ``True`` for the defaults).
+        restore_on_signals: Restore the maximum limit on SIGINT and SIGTERM (main thread only),
+            then let the signal do what it did before.
+
+    Raises:
+        ValueError: Invalid step counts, GPUs with different power-limit ranges.
+        NoPermissionError: The process may not change power limits (says which privilege).
+        ConfigError: ``profile_path`` holds a corrupt profile; adaptive profiling across ranks.
+    """
+
+    def __init__(
+        self,
+        monitor: Monitor,
+        optimum_selector: OptimumSelector | None = None,
+        wait_steps: int = 1,
+        warmup_steps: int = 10,
+        profile_steps: int = 40,
+        pl_step: int = 25,
+        profile_path: str | os.PathLike[str] | None = None,
+        *,
+        adaptive: bool | AdaptiveOptions = False,
+        restore_on_signals: bool = True,
+    ) -> None:
+        if wait_steps < 0:
+            raise ValueError(f"wait_steps must be non-negative, got {wait_steps!r}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be non-negative, got {warmup_steps!r}")
+        if profile_steps <= 0:
+            raise ValueError(f"profile_steps must be positive, got {profile_steps!r}")
+        if pl_step <= 0:
+            raise ValueError(f"pl_step must be positive, got {pl_step!r}")
+        self.monitor = monitor
+        self.optimum_selector: OptimumSelector = optimum_selector or ZeusCost(
+            eta_knob=0.5, world_size=len(monitor.gpu_indices)
+        )
+        self.warmup_steps = warmup_steps
+        self.profile_steps = profile_steps
+        self.pl_step = pl_step
+        self.profile_path = None if profile_path is None else Path(profile_path)
+        self.adaptive: AdaptiveOptions | None = (
+            AdaptiveOptions() if adaptive is True else adaptive or None
+        )
+        self._dist = _distributed()
+        if self.adaptive is not None and self._dist is not None:
+            raise ConfigError(
+                "adaptive profiling is single-process for now: its early decisions are not "
+                "synchronized across ranks (use adaptive=False with torch.distributed)"
+            )
+        self.power_limits = self._limits()
+        self.max_power_limit = self.power_limits[0]
+        self.measurements: list[PowerLimitMeasurement] = []
+        #: Training steps spent in warmup and profiling (the cost of finding the optimum).
+        self.profiling_step_count = 0
+        #: Of those, the steps inside profile windows (Zeus: ``profile_steps`` per limit).
+        self.measured_step_count = 0
+        self.current_power_limit: int | None = None
+        self._pending: list[tuple[int, WindowResult, int]] = []  # limit, window, steps
+        self._stats: _StepStats | None = None
+        self._step_window: str | None = None
+        self._profiled_steps = 0
+        self._deciding = False
+        self._closed = False
+        self._lock = threading.Lock()
+        self._signals: dict[int, Any] = {}
+        self._host = socket.gethostname()
+
+        # Checks the privilege now, synchronously: a clear error at construction, not later.
+        self._set_limit(self.max_power_limit, wait=True, why="start at the maximum")
+        self.state: State
+        if self.profile_path is not None and self.profile_path.exists():
+            self.measurements = _load_profile(self.profile_path)
+            optimal = self._select()
+            self.state = Done(optimal)
+            logger.info("loaded the power-limit profile %s: %d W", self.profile_path, optimal)
+            self._set_limit(optimal, why="loaded profile")
+            self._emit("done", optimal, detail=f"profile loaded from {self.profile_path}")
+        else:
+            self.state = Ready(self.power_limits[0], wait_steps + 1)
+            self._emit("ready", self.power_limits[0], steps=wait_steps + 1)
+        atexit.register(self.close)
+        if restore_on_signals:
+            self._install_signal_handlers()
+
+    # -- setup ------------------------------------------------------------------------------------
+
+    def _limits(self) -> list[int]:
+        devices = self.monitor.gpu_devices
+        if not devices:
+            raise ValueError("the monitor watches no GPU: nothing to optimize")
+        ranges = {(d.power_limit_min_w, d.power_limit_max_w) for d in devices}
+        if len(ranges) != 1:
+            described = ", ".join(
+                f"{d.key}: {d.power_limit_min_w}-{d.power_limit_max_w} W" for d in devices
+            )
+            raise ValueError(
+                f"the monitored GPUs have different power-limit ranges ({described}); "
+                "optimize them with separate monitors"
+            )
+        lo, hi = ranges.pop()
+        if lo is None or hi is None:
+            raise ValueError("the GPUs do not report a power-limit range")
+        return list(range(int(hi), int(lo) - 1, -self.pl_step))
+
+    # -- the training thread's hooks ------------------------------------------------------------
+
+    def on_step_begin(self) -> None:
+        """Call at the start of every training step (microseconds; never waits)."""
+        state = self.state
+        if type(state) is Done:
+            return
+        if type(state) is Ready:
+            state.steps -= 1
+            if state.steps == 0:
+                self._enter_warmup(state.next_power_limit)
+        elif type(state) is Warmup:
+            self.profiling_step_count += 1
+            state.steps -= 1
+            if state.steps <= 0:
+                self._enter_profiling(state.current_power_limit)
+        elif type(state) is Profiling and state.steps > 0:
+            self.profiling_step_count += 1
+            self.measured_step_count += 1
+            self._profiled_steps += 1
+            state.steps -= 1
+            if self._stats is not None:
+                self._adaptive_step(state)
+            if state.steps == 0:
+                self._finish_limit(state)
+        if self._pending and self._collect() and self.adaptive is not None:
+            self._check_settled()
+
+    def on_epoch_end(self) -> None:
+        """Call at the end of every epoch: an interrupted warmup or profile starts over."""
+        state = self.state
+        if type(state) is Warmup or (type(state) is Profiling and state.steps > 0):
+            limit = state.current_power_limit
+            logger.info(
+                "%s at %d W interrupted by the end of an epoch", type(state).__name__, limit
+            )
+            if type(state) is Profiling:
+                self.monitor.end_window(self._window_name(limit), sync_execution=False, cancel=True)
+                if self._step_window is not None:
+                    self.monitor.end_window(self._step_window, sync_execution=False, cancel=True)
+                    self._step_window = None
+                self._stats = None
+            self.state = Ready(limit, 1)
+            self._set_limit(self.max_power_limit, why="epoch ended mid-profile")
+            self._emit("ready", limit, steps=1, detail="interrupted by the end of an epoch")
+
+    # -- transitions ------------------------------------------------------------------------------
+
+    def _enter_warmup(self, limit: int) -> None:
+        self._set_limit(limit, why="warmup")
+        if self.warmup_steps == 0:
+            self.state = Warmup(limit, 0)
+            self._enter_profiling(limit)
+            return
+        self.state = Warmup(limit, self.warmup_steps)
+        self._emit("warmup", limit, steps=self.warmup_steps)
+
+    def _enter_profiling(self, limit: int) -> None:
+        self.state = Profiling(limit, self.profile_steps)
+        self._profiled_steps = 0
+        self.monitor.begin_window(self._window_name(limit), sync_execution=False, restart=True)
+        if self.adaptive is not None:
+            self._stats = _StepStats()
+            self._step_window = None
+        self._emit("profiling", limit, steps=self.profile_steps)
+
+    def _adaptive_step(self, state: Profiling) -> None:
+        stats = self._stats
+        assert stats is not None and self.adaptive is not None
+        if self._step_window is not None:
+            stats.pending.append(self.monitor.end_window(self._step_window, sync_execution=False))
+        stats.collect()
+        if stats.n >= self.adaptive.min_steps:
+            dt, de = stats.relative_half_widths()
+            if dt <= self.adaptive.tolerance and de <= self.adaptive.tolerance:
+                state.steps = 0  # stable: this limit is known well enough
+                self._step_window = None
+                return
+        if state.steps > 0:
+            self._step_window = f"__plo_step_{state.current_power_limit}_{state.steps}"
+            self.monitor.begin_window(self._step_window, sync_execution=False, restart=True)
+        else:
+            self._step_window = None
+
+    def _finish_limit(self, state: Profiling) -> None:
+        limit = state.current_power_limit
+        done_steps = self._profiled_steps
+        result = self.monitor.end_window(self._window_name(limit), sync_execution=False)
+        self._stats = None
+        if self._step_window is not None:
+            self.monitor.end_window(self._step_window, sync_execution=False, cancel=True)
+            self._step_window = None
+        if self._dist is not None:
+            # Every rank must run the all-reduce at this same step, in the same order relative
+            # to its other collectives (DDP's): record now, waiting ~0.2 s once per limit.
+            self._record(limit, result, done_steps)
+        else:
+            with self._lock:
+                self._pending.append((limit, result, done_steps))
+        state.steps = 0
+        index = self.power_limits.index(limit)
+        if index == len(self.power_limits) - 1:
+            self._start_deciding(limit, "every limit profiled")
+        else:
+            self._enter_warmup(self.power_limits[index + 1])
+
+    def _start_deciding(self, limit: int, why: str) -> None:
+        """Stop profiling; choose once the outstanding measurements are in.
+
+        Single process: in a background thread, so the training thread never waits. With
+        several ranks: here, on the training thread (the ranks' collectives must run in the
+        same order on one thread each); it waits at most ~0.2 s, once.
+        """
+        state = self.state
+        if type(state) is Profiling and state.steps > 0:  # adaptive stop in mid-profile
+            self.monitor.end_window(self._window_name(limit), sync_execution=False, cancel=True)
+        if self._step_window is not None:
+            self.monitor.end_window(self._step_window, sync_execution=False, cancel=True)
+            self._step_window = None
+        self._stats = None
+        self.state = Profiling(limit, 0)
+        self._deciding = True
+        self._emit("deciding", limit, detail=why)
+        if self._dist is not None:
+            self._decide()
+        else:
+            threading.Thread(target=self._decide, name="zeus-async-plo", daemon=True).start()
+
+    # -- measurements -----------------------------------------------------------------------------
+
+    def _window_name(self, limit: int) -> str:
+        return f"__GlobalPowerLimitOptimizer_{limit}"
+
+    def _collect(self) -> bool:
+        """Turn finalized profile windows into measurements; True when one was added."""
+        if self._deciding or not self._pending[0][1].done():
+            return False
+        with self._lock:
+            added = False
+            while self._pending and self._pending[0][1].done():
+                limit, result, steps = self._pending.pop(0)
+                self._record(limit, result, steps)
+                added = True
+        return added
+
+    def _record(self, limit: int, result: WindowResult, steps: int) -> None:
+        try:
+            m = result.wait()
+        except Exception as exc:  # e.g. the GPU was lost: this limit goes unmeasured
+            logger.warning("power-limit optimizer: no measurement at %d W (%s)", limit, exc)
+            self._emit("failed", limit, detail=f"measurement failed: {exc}")
+            return
+        energy = sum(m.gpu_energy_j.values())
+        elapsed = m.time_s
+        if steps and steps != self.profile_steps:  # adaptive: scale to a full profile
+            energy *= self.profile_steps / steps
+            elapsed *= self.profile_steps / steps
+        if self._dist is not None:
+            energy, elapsed = self._dist(energy, elapsed)
+        measurement = PowerLimitMeasurement(limit, max(energy, 1e-9), max(elapsed, 1e-9))
+        self.measurements.append(measurement)
+        self._emit(
+            "measured",
+            limit,
+            steps=steps,
+            values={"energy_j": measurement.energy, "time_s": measurement.time},
+        )
+
+    def _check_settled(self) -> None:
+        """Adaptive: stop descending once lower limits can no longer change the choice.
+
+        Runs when a measurement comes in (during the next limit's warmup, typically), using
+        only the measurements already in: nothing waits.
+        """
+        assert self.adaptive is not None
+        if self._deciding or not self._choice_settled(self.measurements, self.adaptive):
+            return
+        state = self.state
+        limit = getattr(state, "current_power_limit", self.measurements[-1].power_limit)
+        self._start_deciding(limit, "lower limits cannot change the choice")
+
+    def _choice_settled(
+        self, ms: Sequence[PowerLimitMeasurement], options: AdaptiveOptions
+    ) -> bool:
+        if len(ms) < 2:
+            return False
+        selector = self.optimum_selector
+        if isinstance(selector, MaxSlowdownConstraint):
+            top = max(ms, key=lambda m: m.power_limit)
+            return ms[-1].time > selector.factor * top.time * (1 + options.tolerance)
+        cost = getattr(selector, "cost", None)
+        if cost is None:
+            return False  # a selector we cannot reason about: profile every limit
+        costs = [cost(m, ms) for m in ms]
+        best = min(range(len(ms)), key=costs.__getitem__)
+        if len(ms) - 1 - best < options.patience:
+            return False
+        # The latest `patience` limits all cost clearly more than the best (beyond both
+        # estimates' uncertainty): under unimodality, lower limits only cost more.
+        margin = 1 + 2 * options.tolerance
+        return all(c > costs[best] * margin for c in costs[-options.patience :])
+
+    def _decide(self) -> None:
+        """Off the training thread: wait for the last measurements, choose, apply, save."""
+        try:
+            with self._lock:
+                pending, self._pending = self._pending, []
+                for limit, result, steps in pending:
+                    self._record(limit, result, steps)
+            optimal = self._select()
+        except Exception as exc:
+            logger.exception("power-limit optimizer could not decide; keeping the maximum")
+            self._set_limit(self.max_power_limit, why="decision failed")
+            self._emit("failed", self.max_power_limit, detail=f"{type(exc).__name__}: {exc}")
+            self.state = Done(self.max_power_limit)  # settled: training goes on at the maximum
+            return
+        self._set_limit(optimal, why="optimum")
+        try:
+            self._save_profile()
+            self._emit(
+                "done",
+                optimal,
+                detail=f"{type(self.optimum_selector).__name__} over "
+                f"{len(self.measurements)} limits",
+                values={"profiling_steps": float(self.profiling_step_count)},
+            )
+        finally:
+            # Last: whoever sees Done (wait_done) finds the profile saved and the event sent.
+            self.state = Done(optimal)
+        logger.info("optimal power limit: %d W", optimal)
+
+    def _select(self) -> int:
+        return int(self.optimum_selector.select(self.measurements))
+
+    def wait_done(self, timeout: float | None = None) -> int:
+        """Block until the optimum is chosen (tests, scripts); returns it in W."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not isinstance(self.state, Done):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"no power limit chosen within {timeout} s")
+            time.sleep(0.005)
+        return self.state.optimal_power_limit
+
+    @property
+    def optimal_power_limit(self) -> int | None:
+        """The chosen limit (W), once :class:`Done`."""
+        return self.state.optimal_power_limit if isinstance(self.state, Done) else None
+
+    # -- power limits, events, profile ------------------------------------------------------------
+
+    def _set_limit(self, watts: int, *, wait: bool = False, why: str = "") -> None:
+        if self.current_power_limit == watts:
+            return
+        future = self.monitor.set_power_limit(watts, source=f"{SOURCE}: {why}" if why else SOURCE)
+        self.current_power_limit = watts
+        if wait:
+            try:
+                future.result(timeout=30)
+            except NoPermissionError as exc:
+                raise NoPermissionError(
+                    "changing GPU power limits needs root or the CAP_SYS_ADMIN capability "
+                    "(run as root, or start the container with --cap-add SYS_ADMIN); "
+                    f"NVML said: {exc}"
+                ) from None
+        else:
+            future.add_done_callback(_log_failure)
+
+    def _emit(
+        self,
+        state: str,
+        limit: int | None,
+        *,
+        steps: int | None = None,
+        detail: str = "",
+        values: dict[str, float] | None = None,
+    ) -> None:
+        if self._closed and state != "restored":
+            return
+        event = OptimizerState(
+            host=self._host,
+            t_ns=time.time_ns(),
+            optimizer=SOURCE,
+            state=state,
+            power_limit_w=None if limit is None else float(limit),
+            steps=steps,
+            detail=detail,
+            values=values or {},
+        )
+        try:
+            self.monitor.publish(event).add_done_callback(_log_failure)
+        except RuntimeError:  # the monitor is closed
+            pass
+
+    def _save_profile(self) -> None:
+        if self.profile_path is None:
+            return
+        data = msgspec.json.format(
+            msgspec.json.encode(PowerLimitProfile(self.measurements)), indent=2
+        )
+        tmp = self.profile_path.with_name(self.profile_path.name + ".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, self.profile_path)
+        logger.info("power-limit profile saved to %s", self.profile_path)
+
+    # -- restoring --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Restore the maximum power limit (waiting for it) and stop. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        self._uninstall_signal_handlers()
+        try:
+            self.current_power_limit = None
+            self._emit("restored", self.max_power_limit, detail="closing")
+            self.monitor.set_power_limit(self.max_power_limit, source=f"{SOURCE}: restore").result(
+                timeout=10
+            )
+        except Exception as exc:  # the monitor may be gone already at interpreter exit
+            logger.warning("could not restore the maximum power limit: %s", exc)
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous = signal.getsignal(sig)
+            self._signals[sig] = previous
+            signal.signal(sig, self._on_signal)
+
+    def _uninstall_signal_handlers(self) -> None:
+        for sig, previous in self._signals.items():
+            if signal.getsignal(sig) == self._on_signal:
+                signal.signal(sig, previous)
+        self._signals.clear()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        previous = self._signals.get(signum, signal.SIG_DFL)
+        logger.info("signal %d: restoring the maximum power limit", signum)
+        self.close()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            # Exit like the signal would, but through SystemExit: ``finally`` blocks and atexit
+            # hooks run, so the monitor closes and flushes its recording (a re-raised SIG_DFL
+            # would kill the process before the restore's events were written).
+            signal.signal(signum, signal.SIG_DFL)
+            raise SystemExit(128 + signum)
+
+    def __enter__(self) -> GlobalPowerLimitOptimizer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _log_failure(future: Any) -> None:
+    exc = future.exception()
+    if exc is not None:
+        logger.error("power-limit optimizer: %s: %s", type(exc).__name__, exc)
+
+
+def _load_profile(path: Path) -> list[PowerLimitMeasurement]:
+    try:
+        profile = msgspec.json.decode(path.read_bytes(), type=PowerLimitProfile)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        raise ConfigError(
+            f"the power-limit profile {path} is corrupt ({exc}); delete it to profile again"
+        ) from None
+    if not profile.measurements:
+        raise ConfigError(f"the power-limit profile {path} holds no measurement")
+    return profile.measurements
+
+
+def _distributed() -> Callable[[float, float], tuple[float, float]] | None:
+    """With ``torch.distributed`` initialized (several ranks): a function combining one rank's
+    ``(energy, time)`` with every rank's — energy summed, time the maximum."""
+    if "torch" not in sys.modules:
+        return None  # torch.distributed cannot be initialized without torch imported
+    try:
+        torch: Any = importlib.import_module("torch")
+        dist: Any = importlib.import_module("torch.distributed")
+    except ImportError:
+        return None
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+
+    def combine(energy: float, elapsed: float) -> tuple[float, float]:
+        e = torch.tensor([energy], dtype=torch.float64)
+        t = torch.tensor([elapsed], dtype=torch.float64)
+        dist.all_reduce(e, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(e.item()), float(t.item())
+
+    return combine
