@@ -226,6 +226,89 @@ def _done_future() -> Any:
     return f
 
 
+def step_cost(impl: str, pl_step: int, warmup: int, profile: int) -> dict[str, float]:
+    """CPU cost of ``on_step_begin`` in a hot loop: a whole optimization with zero-length steps
+    (the GPU stays simulated), timed per call beside an empty call in the same loop."""
+    from zeus_async.devices.sim_config import SimConfig
+    from zeus_async.testing import sim_pynvml
+
+    logging.basicConfig(level=logging.ERROR)
+    config = SimConfig(num_gpus=1, seed=3)
+    sim_pynvml.install(config=config)
+    sim_pynvml.install_as_pynvml()
+    logging.getLogger("zeus").setLevel(logging.ERROR)
+    if impl == "zeus":
+        from zeus.monitor import ZeusMonitor
+        from zeus.optimizer.power_limit import Done, GlobalPowerLimitOptimizer
+
+        class NoSync(ZeusMonitor):  # type: ignore[misc]
+            def begin_window(self, key: str, sync_execution: bool = True) -> None:
+                super().begin_window(key, sync_execution=False)
+
+            def end_window(
+                self, key: str, sync_execution: bool = True, cancel: bool = False
+            ) -> Any:
+                return super().end_window(key, sync_execution=False, cancel=cancel)
+
+        opt: Any = GlobalPowerLimitOptimizer(
+            NoSync(gpu_indices=[0], cpu_indices=[], approx_instant_energy=True),
+            make_selector("zeus0.5", impl),
+            warmup_steps=warmup,
+            profile_steps=profile,
+            pl_step=pl_step,
+        )
+
+        def done() -> bool:
+            return isinstance(opt.state, Done)
+
+    else:
+        from zeus_async import Monitor
+        from zeus_async.optimizer import GlobalPowerLimitOptimizer as Ours
+
+        monitor = Monitor(
+            gpu_indices=[0],
+            cpu_indices=[],
+            backend="sim",
+            sim_config=config,
+            sync_execution_with=None,
+        )
+        opt = Ours(
+            monitor,
+            make_selector("zeus0.5", impl),
+            warmup_steps=warmup,
+            profile_steps=profile,
+            pl_step=pl_step,
+            adaptive=impl == "ours-adaptive",
+        )
+
+        def done() -> bool:
+            return opt.optimal_power_limit is not None or opt._deciding
+
+    def noop() -> None:
+        pass
+
+    calls: list[float] = []
+    empty: list[float] = []
+    clock = time.perf_counter
+    while not done():
+        t0 = clock()
+        noop()
+        t1 = clock()
+        opt.on_step_begin()
+        t2 = clock()
+        empty.append(t1 - t0)
+        calls.append(t2 - t1)
+    if impl != "zeus":
+        opt.close()
+        monitor.close()
+    return {
+        "steps": len(calls),
+        "mean_us": statistics.fmean(calls) * 1e6,
+        "p50_us": statistics.median(calls) * 1e6,
+        "empty_mean_us": statistics.fmean(empty) * 1e6,
+    }
+
+
 def same_inputs(trials: int, pl_step: int) -> dict[str, Any]:
     """Drive Zeus's and our optimizer with identical scripted measurements (random profiles,
     energy U-shaped in the limit, time rising as it drops, plus noise); count agreements."""
@@ -279,12 +362,37 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--profile", type=int, default=40)
     parser.add_argument("--selectors", default=",".join(SELECTORS))
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="runs per optimizer and selector (majority kept)"
+    )
     parser.add_argument("--one", nargs=2, metavar=("IMPL", "SELECTOR"), help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
         "--same-inputs", type=int, default=0, metavar="N", help="only the same-inputs check"
     )
+    parser.add_argument("--step-cost", action="store_true", help="only the hot-loop cost")
+    parser.add_argument("--cost-one", metavar="IMPL", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.cost_one:
+        print(json.dumps(step_cost(args.cost_one, args.pl_step, args.warmup, args.profile)))
+        return 0
+    if args.step_cost:
+        print("\n### on_step_begin in a hot loop (zero-length steps, a whole optimization)\n")
+        print("| optimizer | steps | mean µs | p50 µs | empty call, same loop, mean µs |")
+        print("|---|---:|---:|---:|---:|")
+        for impl in IMPLS:
+            proc = subprocess.run(
+                [sys.executable, __file__, "--cost-one", impl, "--pl-step", str(args.pl_step)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            c = json.loads(proc.stdout.strip().splitlines()[-1])
+            print(
+                f"| {impl} | {c['steps']:.0f} | {c['mean_us']:.2f} | {c['p50_us']:.2f} "
+                f"| {c['empty_mean_us']:.2f} |"
+            )
+        return 0
     if args.same_inputs:
         out = same_inputs(args.same_inputs, args.pl_step)
         print(f"\n### Same inputs: {out['trials']} random profiles per selector\n")
@@ -297,51 +405,67 @@ def main() -> int:
         print(json.dumps(out))
         return 0
     results: list[dict[str, Any]] = []
-    for selector in args.selectors.split(","):
-        for impl in IMPLS:
-            proc = subprocess.run(
-                [
-                    sys.executable,
-                    __file__,
-                    "--one",
-                    impl,
-                    selector,
-                    "--pl-step",
-                    str(args.pl_step),
-                    "--warmup",
-                    str(args.warmup),
-                    "--profile",
-                    str(args.profile),
-                ],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            if proc.returncode != 0:
-                print(proc.stderr[-3000:], file=sys.stderr)
-                return 1
-            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            r = results[-1]
-            print(f"  {selector:<12} {impl:<14} -> {r['chosen_w']} W", file=sys.stderr)
+    for rep in range(args.repeat):
+        for selector in args.selectors.split(","):
+            for impl in IMPLS:
+                proc = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--one",
+                        impl,
+                        selector,
+                        "--pl-step",
+                        str(args.pl_step),
+                        "--warmup",
+                        str(args.warmup),
+                        "--profile",
+                        str(args.profile),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+                if proc.returncode != 0:
+                    print(proc.stderr[-3000:], file=sys.stderr)
+                    return 1
+                results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                r = results[-1]
+                print(
+                    f"  run {rep + 1}: {selector:<12} {impl:<14} -> {r['chosen_w']} W",
+                    file=sys.stderr,
+                )
     print(
         f"\n### Power-limit optimization, 1 simulated H100, {WORK_S * 1e3:g} ms of GPU work per "
         f"step, energy counter every {COUNTER_PERIOD_S * 1e3:g} ms, limits 700..200 W by "
-        f"{args.pl_step} W, warmup {args.warmup}, profile {args.profile}\n"
+        f"{args.pl_step} W, warmup {args.warmup}, profile {args.profile}, "
+        f"{args.repeat} runs each\n"
     )
     print(
         "| selector | Zeus 0.16 | ours | ours adaptive | warmup+profile steps Zeus / ours / "
-        "adaptive | adaptive/Zeus | profiled steps Zeus / adaptive | adaptive/Zeus |"
+        "adaptive (mean) | adaptive/Zeus | profiled steps Zeus / adaptive | adaptive/Zeus |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    by = {(r["selector"], r["impl"]): r for r in results}
+    print("|---|---|---|---|---:|---:|---:|---:|")
+
+    def runs(selector: str, impl: str) -> list[dict[str, Any]]:
+        return [r for r in results if r["selector"] == selector and r["impl"] == impl]
+
+    def choices(rs: list[dict[str, Any]]) -> str:
+        picks = [r["chosen_w"] for r in rs]
+        majority = max(set(picks), key=picks.count)
+        return f"**{majority}** ({'/'.join(map(str, picks))})"
+
+    def mean(rs: list[dict[str, Any]], key: str) -> float:
+        return statistics.fmean(r[key] for r in rs)
+
     for selector in args.selectors.split(","):
-        z, o, a = (by[(selector, i)] for i in IMPLS)
+        z, o, a = (runs(selector, i) for i in IMPLS)
+        zs, os_, as_ = (mean(x, "profiling_steps") for x in (z, o, a))
+        zm, am = mean(z, "measured_steps"), mean(a, "measured_steps")
         print(
-            f"| {selector} | {z['chosen_w']} W | {o['chosen_w']} W | {a['chosen_w']} W "
-            f"| {z['profiling_steps']} / {o['profiling_steps']} / {a['profiling_steps']} "
-            f"| {a['profiling_steps'] / z['profiling_steps']:.2f}x "
-            f"| {z['measured_steps']} / {a['measured_steps']} "
-            f"| {a['measured_steps'] / z['measured_steps']:.2f}x |"
+            f"| {selector} | {choices(z)} | {choices(o)} | {choices(a)} "
+            f"| {zs:.0f} / {os_:.0f} / {as_:.0f} | {as_ / zs:.2f}x "
+            f"| {zm:.0f} / {am:.0f} | {am / zm:.2f}x |"
         )
     print("\n| on_step_begin on the training thread | mean µs | p50 µs | max µs |")
     print("|---|---:|---:|---:|")
