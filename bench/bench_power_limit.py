@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,53 @@ def precise_sleep(seconds: float) -> None:
         pass
 
 
+def build(
+    impl: str, selector: Any, config: Any, warmup: int, profile: int, pl_step: int
+) -> tuple[Any, Any, Callable[[], bool]]:
+    """The optimizer under test, its monitor (ours; ``None`` for Zeus, whose monitor needs no
+    closing) and a ``done()`` test that is true once it has stopped profiling."""
+    if impl == "zeus":
+        from zeus.monitor import ZeusMonitor
+        from zeus.optimizer.power_limit import Done, GlobalPowerLimitOptimizer
+
+        class NoSyncZeusMonitor(ZeusMonitor):  # type: ignore[misc]
+            """No GPU to synchronize here (torch is CPU-only): like our sync_execution_with=None."""
+
+            def begin_window(self, key: str, sync_execution: bool = True) -> None:
+                super().begin_window(key, sync_execution=False)
+
+            def end_window(
+                self, key: str, sync_execution: bool = True, cancel: bool = False
+            ) -> Any:
+                return super().end_window(key, sync_execution=False, cancel=cancel)
+
+        zeus_opt = GlobalPowerLimitOptimizer(
+            NoSyncZeusMonitor(gpu_indices=[0], cpu_indices=[], approx_instant_energy=True),
+            selector,
+            warmup_steps=warmup,
+            profile_steps=profile,
+            pl_step=pl_step,
+        )
+        return zeus_opt, None, lambda: isinstance(zeus_opt.state, Done)
+    from zeus_async import Monitor
+    from zeus_async.optimizer import GlobalPowerLimitOptimizer as Ours
+
+    # The default monitor: sampling (and limit changes) in a child process, which builds the
+    # same simulated node. The caller's copy of the node only times the steps.
+    monitor = Monitor(
+        gpu_indices=[0], cpu_indices=[], backend="sim", sim_config=config, sync_execution_with=None
+    )
+    ours = Ours(
+        monitor,
+        selector,
+        warmup_steps=warmup,
+        profile_steps=profile,
+        pl_step=pl_step,
+        adaptive=impl == "ours-adaptive",
+    )
+    return ours, monitor, lambda: ours.optimal_power_limit is not None or ours._deciding
+
+
 def run_one(impl: str, selector: str, pl_step: int, warmup: int, profile: int) -> dict[str, Any]:
     """One optimization in this process; returns its figures."""
     from zeus_async.devices.sim_config import SimConfig
@@ -76,56 +124,11 @@ def run_one(impl: str, selector: str, pl_step: int, warmup: int, profile: int) -
     )
     node = sim_pynvml.install(config=config)
     sim_pynvml.install_as_pynvml()
-    sel = make_selector(selector, impl)
-    monitor: Any
+    opt, monitor, done = build(
+        impl, make_selector(selector, impl), config, warmup, profile, pl_step
+    )
     if impl == "zeus":
-        from zeus.monitor import ZeusMonitor
-        from zeus.optimizer.power_limit import Done, GlobalPowerLimitOptimizer, Profiling, Warmup
-
-        class NoSyncZeusMonitor(ZeusMonitor):  # type: ignore[misc]
-            """No GPU to synchronize here (torch is CPU-only): like our sync_execution_with=None."""
-
-            def begin_window(self, key: str, sync_execution: bool = True) -> None:
-                super().begin_window(key, sync_execution=False)
-
-            def end_window(
-                self, key: str, sync_execution: bool = True, cancel: bool = False
-            ) -> Any:
-                return super().end_window(key, sync_execution=False, cancel=cancel)
-
-        monitor = NoSyncZeusMonitor(gpu_indices=[0], cpu_indices=[], approx_instant_energy=True)
-        opt: Any = GlobalPowerLimitOptimizer(
-            monitor, sel, warmup_steps=warmup, profile_steps=profile, pl_step=pl_step
-        )
-
-        def done() -> bool:
-            return isinstance(opt.state, Done)
-
-    else:
-        from zeus_async import Monitor
-        from zeus_async.optimizer import GlobalPowerLimitOptimizer as Ours
-
-        # The default monitor: sampling (and limit changes) in a child process, which builds
-        # the same simulated node. This process's copy of the node only times the steps; the
-        # loop below mirrors the limit in force into it.
-        monitor = Monitor(
-            gpu_indices=[0],
-            cpu_indices=[],
-            backend="sim",
-            sim_config=config,
-            sync_execution_with=None,
-        )
-        opt = Ours(
-            monitor,
-            sel,
-            warmup_steps=warmup,
-            profile_steps=profile,
-            pl_step=pl_step,
-            adaptive=impl == "ours-adaptive",
-        )
-
-        def done() -> bool:
-            return opt.optimal_power_limit is not None
+        from zeus.optimizer.power_limit import Profiling, Warmup
 
     costs: list[float] = []
     counted = 0
@@ -150,7 +153,7 @@ def run_one(impl: str, selector: str, pl_step: int, warmup: int, profile: int) -
         chosen = opt.state.optimal_power_limit // 1000
         measurements = [(m.power_limit, m.energy, m.time) for m in opt.measurements]
     else:
-        chosen = opt.optimal_power_limit
+        chosen = opt.wait_done(60)
         counted = opt.profiling_step_count
         measured = opt.measured_step_count
         measurements = [(m.power_limit, m.energy, m.time) for m in opt.measurements]
@@ -237,52 +240,9 @@ def step_cost(impl: str, pl_step: int, warmup: int, profile: int) -> dict[str, f
     sim_pynvml.install(config=config)
     sim_pynvml.install_as_pynvml()
     logging.getLogger("zeus").setLevel(logging.ERROR)
-    if impl == "zeus":
-        from zeus.monitor import ZeusMonitor
-        from zeus.optimizer.power_limit import Done, GlobalPowerLimitOptimizer
-
-        class NoSync(ZeusMonitor):  # type: ignore[misc]
-            def begin_window(self, key: str, sync_execution: bool = True) -> None:
-                super().begin_window(key, sync_execution=False)
-
-            def end_window(
-                self, key: str, sync_execution: bool = True, cancel: bool = False
-            ) -> Any:
-                return super().end_window(key, sync_execution=False, cancel=cancel)
-
-        opt: Any = GlobalPowerLimitOptimizer(
-            NoSync(gpu_indices=[0], cpu_indices=[], approx_instant_energy=True),
-            make_selector("zeus0.5", impl),
-            warmup_steps=warmup,
-            profile_steps=profile,
-            pl_step=pl_step,
-        )
-
-        def done() -> bool:
-            return isinstance(opt.state, Done)
-
-    else:
-        from zeus_async import Monitor
-        from zeus_async.optimizer import GlobalPowerLimitOptimizer as Ours
-
-        monitor = Monitor(
-            gpu_indices=[0],
-            cpu_indices=[],
-            backend="sim",
-            sim_config=config,
-            sync_execution_with=None,
-        )
-        opt = Ours(
-            monitor,
-            make_selector("zeus0.5", impl),
-            warmup_steps=warmup,
-            profile_steps=profile,
-            pl_step=pl_step,
-            adaptive=impl == "ours-adaptive",
-        )
-
-        def done() -> bool:
-            return opt.optimal_power_limit is not None or opt._deciding
+    opt, monitor, done = build(
+        impl, make_selector("zeus0.5", impl), config, warmup, profile, pl_step
+    )
 
     def noop() -> None:
         pass
@@ -298,7 +258,7 @@ def step_cost(impl: str, pl_step: int, warmup: int, profile: int) -> dict[str, f
         t2 = clock()
         empty.append(t1 - t0)
         calls.append(t2 - t1)
-    if impl != "zeus":
+    if monitor is not None:
         opt.close()
         monitor.close()
     return {
