@@ -322,6 +322,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--profile", type=int, default=40)
     parser.add_argument("--selectors", default=",".join(SELECTORS))
+    parser.add_argument("--impls", default=",".join(IMPLS), help=argparse.SUPPRESS)
     parser.add_argument(
         "--repeat", type=int, default=3, help="runs per optimizer and selector (majority kept)"
     )
@@ -367,7 +368,7 @@ def main() -> int:
     results: list[dict[str, Any]] = []
     for rep in range(args.repeat):
         for selector in args.selectors.split(","):
-            for impl in IMPLS:
+            for impl in args.impls.split(","):
                 proc = subprocess.run(
                     [
                         sys.executable,

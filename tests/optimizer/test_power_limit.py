@@ -171,7 +171,7 @@ class FakeMonitor:
     # helpers for the tests
     @property
     def profile_windows(self) -> list[tuple[str, str, bool]]:
-        return [c for c in self.window_calls if not c[1].startswith("__plo_step_")]
+        return [c for c in self.window_calls if not c[1].startswith(("__plo_step_", "__plo_warm_"))]
 
     def events_of(self, state: str) -> list[OptimizerState]:
         return [e for e in self.events if e.state == state]
@@ -950,3 +950,57 @@ def test_two_ranks_over_gloo_combine_measurements() -> None:
     assert r0["grad_mismatches"] == r1["grad_mismatches"] == 0
     assert r0["optimal"] == r1["optimal"] == ZeusCost(0.5).select([M(*w) for w in want])
     assert r0["profiling_steps"] == r1["profiling_steps"] == 3 * 5
+
+
+def test_adaptive_warmup_ends_once_two_steps_agree(
+    make_opt: Callable[..., GlobalPowerLimitOptimizer],
+) -> None:
+    mon = FakeMonitor(noise=0.005)
+    opt = make_opt(mon, wait_steps=0, warmup_steps=10, profile_steps=20, adaptive=True)
+    for _ in range(2000):
+        if isinstance(opt.state, Done) or (
+            isinstance(opt.state, Profiling) and opt.state.steps == 0
+        ):
+            break
+        step(opt, mon)
+    opt.wait_done(timeout=5)
+    settled = mon.events_of("settled")
+    # The fake GPU settles at once: the second and third warmup steps get windows, and the
+    # warmup ends at the fourth call, when both are in and agree — not after 10 steps.
+    assert settled and all(e.steps == 3 for e in settled)
+    # (every warmup but the one the descent stopped in)
+    assert len(settled) == len([e for e in mon.events if e.state == "warmup"]) - 1
+    warm = [c for c in mon.window_calls if c[1].startswith("__plo_warm_")]
+    assert warm and all(c[2] is False for c in warm if c[0] == "end")
+
+
+@pytest.mark.slow
+def test_states_and_limits_reach_the_stream_of_a_real_monitor(tmp_path: Path) -> None:
+    """Through a real monitor (sampler process), every state change and chosen limit is on the
+    monitor's stream: here read back from its recording, as a subscriber would see them."""
+    from zeus_async.events import PowerLimitChange
+    from zeus_async.store import RecordingReader
+
+    path = tmp_path / "plo.zarc"
+    with Monitor(backend="sim", sync_execution_with=None, gpu_indices=[0], record=path) as mon:
+        opt = GlobalPowerLimitOptimizer(
+            mon, Energy(), wait_steps=0, warmup_steps=1, profile_steps=2, pl_step=250
+        )
+        for _ in range(200):
+            if opt.optimal_power_limit is not None:
+                break
+            opt.on_step_begin()
+            threading.Event().wait(0.02)
+        chosen = opt.wait_done(10)
+        opt.close()
+    events = list(RecordingReader(path))
+    states = [(e.state, e.power_limit_w) for e in events if isinstance(e, OptimizerState)]
+    assert states[0] == ("ready", 700.0)
+    assert ("warmup", 450.0) in states and ("profiling", 200.0) in states
+    assert ("done", float(chosen)) in states and states[-1] == ("restored", 700.0)
+    limits = [(e.power_limit_w, e.source) for e in events if isinstance(e, PowerLimitChange)]
+    expected = [700.0, 450.0, 200.0]  # start at the max (also the first limit), then down
+    if chosen != 200:
+        expected.append(float(chosen))
+    assert [w for w, _ in limits] == [*expected, 700.0]
+    assert limits[-1] == (700.0, "power_limit: restore")

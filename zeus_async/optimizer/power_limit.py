@@ -17,10 +17,10 @@ What differs is the cost on the training thread and what you can see:
   as the last one is in.
 * Every state change and the chosen limit are :class:`~zeus_async.events.OptimizerState`
   events, and every limit change a ``PowerLimitChange``, on the monitor's bus and recording.
-* ``adaptive=True`` profiles each limit only until its per-step time and energy are known
-  within ``adaptive_tolerance`` (95 % confidence), and stops descending once the selector's
-  choice can no longer change (see :class:`AdaptiveOptions`): the same optimum in far fewer
-  steps.
+* ``adaptive=True`` ends each warmup once two consecutive steps agree (the GPU has settled at
+  the new limit), profiles each limit only until its per-step time and energy are known within
+  the tolerance (95 % confidence), and stops descending once the selector's choice can no
+  longer change (see :class:`AdaptiveOptions`): the same optimum in far fewer steps.
 
 Limits are restored to the maximum on :meth:`GlobalPowerLimitOptimizer.close`, at interpreter
 exit, on an exception leaving a ``with`` block, and on SIGINT/SIGTERM.
@@ -228,7 +228,9 @@ State = Ready | Warmup | Profiling | Done
 class AdaptiveOptions(msgspec.Struct, frozen=True):
     """Settings of adaptive profiling.
 
-    A limit's profiling stops once at least ``min_steps`` per-step measurements are in and the
+    A warmup ends (before ``warmup_steps``) once two consecutive steps, from the second after
+    the limit change on, differ by at most twice ``tolerance`` in time and in energy. A limit's
+    profiling stops once at least ``min_steps`` per-step measurements are in and the
     95 % confidence half-widths of the mean step time and the mean step energy are both within
     ``tolerance`` of the means (or after ``profile_steps``); the measurement is then scaled to
     ``profile_steps`` steps so it compares with full profiles. Descending stops when the
@@ -279,6 +281,7 @@ class _StepStats:
         self.pending: collections.deque[WindowResult] = collections.deque()
         self.time = _Running()
         self.energy = _Running()
+        self.last: tuple[tuple[float, float] | None, tuple[float, float] | None] = (None, None)
 
     @property
     def n(self) -> int:
@@ -293,8 +296,17 @@ class _StepStats:
             except Exception:  # a cancelled or failed step window: skip it
                 continue
             if m.gpu_energy_j:
+                energy = sum(m.gpu_energy_j.values())
                 self.time.add(m.time_s)
-                self.energy.add(sum(m.gpu_energy_j.values()))
+                self.energy.add(energy)
+                self.last = (self.last[1], (m.time_s, energy))
+
+    def steady(self, tolerance: float) -> bool:
+        """The last two steps' time and energy differ by at most ``tolerance`` (relative)."""
+        a, b = self.last
+        if a is None or b is None:
+            return False
+        return all(abs(x - y) <= tolerance * max(abs(x), abs(y)) for x, y in zip(a, b, strict=True))
 
     def relative_half_widths(self) -> tuple[float, float]:
         """95 % confidence half-widths of the mean step time and energy, relative to them."""
@@ -438,7 +450,10 @@ class GlobalPowerLimitOptimizer:
         elif type(state) is Warmup:
             self.profiling_step_count += 1
             state.steps -= 1
+            if self._stats is not None and state.steps > 0:
+                self._adaptive_warmup_step(state)
             if state.steps <= 0:
+                self._end_step_windows()
                 self._enter_profiling(state.current_power_limit)
         elif type(state) is Profiling and state.steps > 0:
             self.profiling_step_count += 1
@@ -462,10 +477,7 @@ class GlobalPowerLimitOptimizer:
             )
             if type(state) is Profiling:
                 self.monitor.end_window(self._window_name(limit), sync_execution=False, cancel=True)
-                if self._step_window is not None:
-                    self.monitor.end_window(self._step_window, sync_execution=False, cancel=True)
-                    self._step_window = None
-                self._stats = None
+            self._end_step_windows()
             self.state = Ready(limit, 1)
             self._set_limit(self.max_power_limit, why="epoch ended mid-profile")
             self._emit("ready", limit, steps=1, detail="interrupted by the end of an epoch")
@@ -479,7 +491,42 @@ class GlobalPowerLimitOptimizer:
             self._enter_profiling(limit)
             return
         self.state = Warmup(limit, self.warmup_steps)
+        if self.adaptive is not None:
+            self._stats = _StepStats()  # per-step windows show when the new limit has settled
+            self._step_window = None
         self._emit("warmup", limit, steps=self.warmup_steps)
+
+    def _end_step_windows(self) -> None:
+        """Adaptive: drop the per-step bookkeeping (cancelling an open step window)."""
+        if self._step_window is not None:
+            self.monitor.end_window(self._step_window, sync_execution=False, cancel=True)
+            self._step_window = None
+        self._stats = None
+
+    def _adaptive_warmup_step(self, state: Warmup) -> None:
+        """Adaptive: end the warmup once two consecutive steps agree within the tolerance.
+
+        The first step after the limit change has no window (the change may still be landing);
+        from the second on each step gets one, and when two finished in a row differ by no
+        more than twice ``tolerance`` in time and in energy the GPU has settled at the limit.
+        """
+        stats = self._stats
+        assert stats is not None and self.adaptive is not None
+        if self._step_window is not None:
+            stats.pending.append(self.monitor.end_window(self._step_window, sync_execution=False))
+            self._step_window = None
+        stats.collect()
+        if stats.steady(2 * self.adaptive.tolerance):
+            self._emit(
+                "settled",
+                state.current_power_limit,
+                steps=self.warmup_steps - state.steps,
+                detail="two consecutive warmup steps agree",
+            )
+            state.steps = 0
+            return
+        self._step_window = f"__plo_warm_{state.current_power_limit}_{state.steps}"
+        self.monitor.begin_window(self._step_window, sync_execution=False, restart=True)
 
     def _enter_profiling(self, limit: int) -> None:
         self.state = Profiling(limit, self.profile_steps)
