@@ -1004,3 +1004,17 @@ def test_states_and_limits_reach_the_stream_of_a_real_monitor(tmp_path: Path) ->
         expected.append(float(chosen))
     assert [w for w, _ in limits] == [*expected, 700.0]
     assert limits[-1] == (700.0, "power_limit: restore")
+
+
+def test_adaptive_estimates_leave_out_stalled_steps() -> None:
+    from zeus_async.optimizer.power_limit import OUTLIER_FACTOR, _StepStats
+
+    stats = _StepStats()
+    stats.steps = [(0.030, 21.0)] * 7 + [(0.031, 21.7)] * 2 + [(0.130, 91.0)]  # one stall
+    t_run, e_run, outliers = stats.kept()
+    assert outliers == 1 and t_run.n == 9
+    assert t_run.mean == pytest.approx((7 * 0.030 + 2 * 0.031) / 9)
+    assert e_run.mean == pytest.approx((7 * 21.0 + 2 * 21.7) / 9)
+    dt, de = stats.relative_half_widths()
+    assert dt < 0.02 and de < 0.02  # the stall does not blow the confidence interval up
+    assert OUTLIER_FACTOR * 0.030 < 0.130

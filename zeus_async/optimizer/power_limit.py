@@ -230,14 +230,15 @@ class AdaptiveOptions(msgspec.Struct, frozen=True):
 
     A warmup ends (before ``warmup_steps``) once two consecutive steps, from the second after
     the limit change on, differ by at most twice ``tolerance`` in time and in energy. A limit's
-    profiling stops once at least ``min_steps`` per-step measurements are in and the
-    95 % confidence half-widths of the mean step time and the mean step energy are both within
-    ``tolerance`` of the means (or after ``profile_steps``); the measurement is then scaled to
-    ``profile_steps`` steps so it compares with full profiles. Descending stops when the
-    selector's choice can no longer change, assuming step time does not fall and the selector's
-    cost is unimodal as the limit drops: for ``MaxSlowdownConstraint`` at the first limit slower
-    than allowed; for the others once the latest ``patience`` limits all cost more than the
-    best by more than twice ``tolerance``.
+    profiling stops once at least ``min_steps`` per-step measurements are in and the 95 %
+    confidence half-widths of the mean step time and the mean step energy are both within
+    ``tolerance`` of the means (or after ``profile_steps``). Steps slower than
+    :data:`OUTLIER_FACTOR` times the median (a host stall, a checkpoint save) are left out; the
+    measurement is the per-step means times ``profile_steps``, so it compares with full
+    profiles. Descending stops when the selector's choice can no longer change, assuming step
+    time does not fall and the selector's cost is unimodal as the limit drops: for
+    ``MaxSlowdownConstraint`` at the first limit slower than allowed; for the others once the
+    latest ``patience`` limits all cost more than the best by more than twice ``tolerance``.
     """
 
     tolerance: float = 0.01
@@ -274,18 +275,19 @@ class _Running:
         return math.sqrt(self.m2 / (self.n - 1)) / self.mean
 
 
+#: Adaptive mode: a step slower than this multiple of the median step is an outlier (a stall
+#: of the host, a checkpoint save, a data-loader hiccup) and left out of the estimates.
+OUTLIER_FACTOR = 1.5
+
+
 class _StepStats:
-    """Per-step windows of one profiled limit (adaptive mode)."""
+    """Per-step windows of one warmed-up or profiled limit (adaptive mode)."""
 
     def __init__(self) -> None:
         self.pending: collections.deque[WindowResult] = collections.deque()
-        self.time = _Running()
-        self.energy = _Running()
+        self.steps: list[tuple[float, float]] = []  # (time s, energy J) per finished step
         self.last: tuple[tuple[float, float] | None, tuple[float, float] | None] = (None, None)
-
-    @property
-    def n(self) -> int:
-        return self.time.n
+        self._kept: tuple[_Running, _Running, int] | None = None
 
     def collect(self) -> None:
         pending = self.pending
@@ -296,10 +298,27 @@ class _StepStats:
             except Exception:  # a cancelled or failed step window: skip it
                 continue
             if m.gpu_energy_j:
-                energy = sum(m.gpu_energy_j.values())
-                self.time.add(m.time_s)
-                self.energy.add(energy)
-                self.last = (self.last[1], (m.time_s, energy))
+                step = (m.time_s, sum(m.gpu_energy_j.values()))
+                self.steps.append(step)
+                self.last = (self.last[1], step)
+                self._kept = None
+
+    def kept(self) -> tuple[_Running, _Running, int]:
+        """Time and energy statistics of the steps that are not outliers, and their count."""
+        if self._kept is None:
+            times = sorted(t for t, _ in self.steps)
+            limit = OUTLIER_FACTOR * times[len(times) // 2] if times else math.inf
+            t_run, e_run = _Running(), _Running()
+            for t, e in self.steps:
+                if t <= limit:
+                    t_run.add(t)
+                    e_run.add(e)
+            self._kept = (t_run, e_run, len(self.steps) - t_run.n)
+        return self._kept
+
+    @property
+    def n(self) -> int:
+        return self.kept()[0].n
 
     def steady(self, tolerance: float) -> bool:
         """The last two steps' time and energy differ by at most ``tolerance`` (relative)."""
@@ -309,12 +328,14 @@ class _StepStats:
         return all(abs(x - y) <= tolerance * max(abs(x), abs(y)) for x, y in zip(a, b, strict=True))
 
     def relative_half_widths(self) -> tuple[float, float]:
-        """95 % confidence half-widths of the mean step time and energy, relative to them."""
-        n = self.n
+        """95 % confidence half-widths of the mean step time and energy (outliers left out),
+        relative to the means."""
+        t_run, e_run, _ = self.kept()
+        n = t_run.n
         if n < 2:
             return math.inf, math.inf
         t = _t95(n) / math.sqrt(n)
-        return t * self.time.cv(), t * self.energy.cv()
+        return t * t_run.cv(), t * e_run.cv()
 
 
 # -- the optimizer --------------------------------------------------------------------------------
@@ -389,7 +410,8 @@ class GlobalPowerLimitOptimizer:
         #: Of those, the steps inside profile windows (Zeus: ``profile_steps`` per limit).
         self.measured_step_count = 0
         self.current_power_limit: int | None = None
-        self._pending: list[tuple[int, WindowResult, int]] = []  # limit, window, steps
+        # limit, its profile window, steps in it, its per-step statistics (adaptive)
+        self._pending: list[tuple[int, WindowResult, int, _StepStats | None]] = []
         self._stats: _StepStats | None = None
         self._step_window: str | None = None
         self._profiled_steps = 0
@@ -559,17 +581,17 @@ class GlobalPowerLimitOptimizer:
         limit = state.current_power_limit
         done_steps = self._profiled_steps
         result = self.monitor.end_window(self._window_name(limit), sync_execution=False)
-        self._stats = None
+        stats, self._stats = self._stats, None
         if self._step_window is not None:
             self.monitor.end_window(self._step_window, sync_execution=False, cancel=True)
             self._step_window = None
         if self._dist is not None:
             # Every rank must run the all-reduce at this same step, in the same order relative
             # to its other collectives (DDP's): record now, waiting ~0.2 s once per limit.
-            self._record(limit, result, done_steps)
+            self._record(limit, result, done_steps, stats)
         else:
             with self._lock:
-                self._pending.append((limit, result, done_steps))
+                self._pending.append((limit, result, done_steps, stats))
         state.steps = 0
         index = self.power_limits.index(limit)
         if index == len(self.power_limits) - 1:
@@ -611,12 +633,14 @@ class GlobalPowerLimitOptimizer:
         with self._lock:
             added = False
             while self._pending and self._pending[0][1].done():
-                limit, result, steps = self._pending.pop(0)
-                self._record(limit, result, steps)
+                limit, result, steps, stats = self._pending.pop(0)
+                self._record(limit, result, steps, stats)
                 added = True
         return added
 
-    def _record(self, limit: int, result: WindowResult, steps: int) -> None:
+    def _record(
+        self, limit: int, result: WindowResult, steps: int, stats: _StepStats | None = None
+    ) -> None:
         try:
             m = result.wait()
         except Exception as exc:  # e.g. the GPU was lost: this limit goes unmeasured
@@ -625,7 +649,16 @@ class GlobalPowerLimitOptimizer:
             return
         energy = sum(m.gpu_energy_j.values())
         elapsed = m.time_s
-        if steps and steps != self.profile_steps:  # adaptive: scale to a full profile
+        values: dict[str, float] = {}
+        if stats is not None and self.adaptive is not None:
+            stats.collect()
+            t_run, e_run, outliers = stats.kept()
+            values["outlier_steps"] = float(outliers)
+        if stats is not None and self.adaptive is not None and t_run.n >= self.adaptive.min_steps:
+            # The per-step means without outlier steps, for a full profile's length.
+            elapsed = t_run.mean * self.profile_steps
+            energy = e_run.mean * self.profile_steps
+        elif steps and steps != self.profile_steps:  # adaptive: scale to a full profile
             energy *= self.profile_steps / steps
             elapsed *= self.profile_steps / steps
         if self._dist is not None:
@@ -636,7 +669,7 @@ class GlobalPowerLimitOptimizer:
             "measured",
             limit,
             steps=steps,
-            values={"energy_j": measurement.energy, "time_s": measurement.time},
+            values={"energy_j": measurement.energy, "time_s": measurement.time, **values},
         )
 
     def _check_settled(self) -> None:
@@ -678,8 +711,8 @@ class GlobalPowerLimitOptimizer:
         try:
             with self._lock:
                 pending, self._pending = self._pending, []
-                for limit, result, steps in pending:
-                    self._record(limit, result, steps)
+                for limit, result, steps, stats in pending:
+                    self._record(limit, result, steps, stats)
             optimal = self._select()
         except Exception as exc:
             logger.exception("power-limit optimizer could not decide; keeping the maximum")
