@@ -28,7 +28,6 @@ readings, so short windows are never 0 J) or, before Volta, from integrated powe
 
 from __future__ import annotations
 
-import atexit
 import csv
 import functools
 import io
@@ -45,6 +44,7 @@ from typing import Any, NamedTuple
 import aiofiles
 from anyio.abc import ObjectReceiveStream
 
+from ._exit import call_at_exit
 from .aggregate.windows import WindowResult, WindowTracker, next_window_id, pop_open_window
 from .errors import ConfigError
 from .events import DeviceInfo, Event, Measurement, event_to_json
@@ -130,24 +130,6 @@ def _torch_sync(gpu_indices: Sequence[int]) -> None:
         return
     for index in gpu_indices:
         cuda.synchronize(index)
-
-
-def _close_at_exit(close: Callable[[], None]) -> None:
-    """Run ``close`` when the interpreter exits, early enough that worker threads still run.
-
-    ``concurrent.futures`` shuts its executors down in ``threading``'s exit hooks, *before*
-    ``atexit`` callbacks; a monitor closed from ``atexit`` could no longer flush its recording
-    (aiofiles writes through the default executor). CPython's ``threading._register_atexit``
-    runs callbacks before that shutdown; ``atexit`` is the fallback elsewhere.
-    """
-    register = getattr(threading, "_register_atexit", None)
-    if register is None:
-        atexit.register(close)
-        return
-    try:
-        register(close)
-    except RuntimeError:  # already shutting down
-        atexit.register(close)
 
 
 class Monitor:
@@ -249,7 +231,7 @@ class Monitor:
             self._tracker = runtime.tracker
             self.gpu_indices = sorted(self._tracker.gpu_indices)
             self.cpu_indices = sorted(self._tracker.cpu_packages)
-        _close_at_exit(self.close)
+        call_at_exit(self.close)
 
     # -- windows --------------------------------------------------------------------------------
 
@@ -400,7 +382,6 @@ class Monitor:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.close)
         if self._process is not None:
             self._process.stop()
         if self._embedded is not None:

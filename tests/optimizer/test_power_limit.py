@@ -1018,3 +1018,35 @@ def test_adaptive_estimates_leave_out_stalled_steps() -> None:
     dt, de = stats.relative_half_widths()
     assert dt < 0.02 and de < 0.02  # the stall does not blow the confidence interval up
     assert OUTLIER_FACTOR * 0.030 < 0.130
+
+
+@pytest.mark.slow
+def test_interpreter_exit_restores_the_maximum_before_the_monitor_closes(tmp_path: Path) -> None:
+    """Neither the optimizer nor the monitor is closed by the program: at exit the optimizer
+    restores the maximum limit first, then the monitor closes and flushes its recording."""
+    import subprocess
+    import sys
+
+    from zeus_async.store import RecordingReader
+
+    path = tmp_path / "exit.zarc"
+    script = (
+        "import time\n"
+        "from zeus_async import Monitor\n"
+        "from zeus_async.optimizer import GlobalPowerLimitOptimizer, Profiling\n"
+        f"m = Monitor(backend='sim', gpu_indices=[0], record={str(path)!r},"
+        " sync_execution_with=None)\n"
+        "o = GlobalPowerLimitOptimizer(m, wait_steps=0, warmup_steps=1, profile_steps=50,"
+        " pl_step=250)\n"
+        "for _ in range(3):\n"
+        "    o.on_step_begin(); time.sleep(0.02)\n"
+        "assert isinstance(o.state, Profiling)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "could not restore" not in proc.stderr
+    events = list(RecordingReader(path))
+    limits = [(e.power_limit_w, e.source) for e in events if isinstance(e, PowerLimitChange)]
+    assert limits[-1] == (700.0, "power_limit: restore")

@@ -28,7 +28,6 @@ exit, on an exception leaving a ``with`` block, and on SIGINT/SIGTERM.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import importlib
 import logging
@@ -46,6 +45,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 import msgspec
 
+from .._exit import call_at_exit
 from ..errors import ConfigError, NoPermissionError
 from ..events import OptimizerState
 
@@ -434,7 +434,7 @@ class GlobalPowerLimitOptimizer:
         else:
             self.state = Ready(self.power_limits[0], wait_steps + 1)
             self._emit("ready", self.power_limits[0], steps=wait_steps + 1)
-        atexit.register(self.close)
+        call_at_exit(self.close)
         if restore_on_signals:
             self._install_signal_handlers()
 
@@ -815,7 +815,6 @@ class GlobalPowerLimitOptimizer:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.close)
         self._uninstall_signal_handlers()
         try:
             self.current_power_limit = None
