@@ -44,6 +44,7 @@ import io
 import itertools
 import json
 import logging
+import operator
 import os
 import re
 import sys
@@ -113,6 +114,12 @@ _SPECS: Final[dict[type[Any], tuple[str, tuple[tuple[str, str], ...]]]] = {
     cls: (tag, tuple((f, f"{tag}.{f}") for f in _numeric_fields(cls)))
     for cls in (GpuSample, RaplSample, ProcessSample)
     for tag in [str(cls.__struct_config__.tag)]
+}
+
+
+_T_NS: Final = operator.attrgetter("t_ns")
+_GETTERS: Final = {
+    name: operator.attrgetter(name) for _, fields in _SPECS.values() for name, _ in fields
 }
 
 
@@ -254,40 +261,57 @@ def _load(reader: RecordingReader, progress: Progress | None) -> _Loaded:
     t_min: int | None = None
     t_max: int | None = None
     ticker = ProgressTicker(reader, progress)
-    for event in reader:
-        t = event.t_ns
-        if t_min is None or t < t_min:
-            t_min = t
-        if t_max is None or t > t_max:
-            t_max = t
-        spec = _SPECS.get(type(event))
-        if spec is not None:
-            event = typing.cast("GpuSample | RaplSample | ProcessSample", event)
-            ident = (event.host, _series_key(event))
-            metrics = columns.get(ident)
-            if metrics is None:
-                metrics = columns[ident] = {}
-                spans[ident] = [t, t]
+    for batch in reader.batches():
+        # Group the frame's samples per device, then extend each column in one go (C-level
+        # map/extend instead of a Python step per value).
+        stamps = list(map(_T_NS, batch))
+        lo, hi = min(stamps), max(stamps)
+        t_min = lo if t_min is None else min(t_min, lo)
+        t_max = hi if t_max is None else max(t_max, hi)
+        groups: dict[tuple[str, str], list[Any]] = {}
+        for event in batch:
+            if type(event) in _SPECS:
+                sample = typing.cast("GpuSample | RaplSample | ProcessSample", event)
+                ident = (sample.host, _series_key(sample))
+                group = groups.get(ident)
+                if group is None:
+                    groups[ident] = [event]
+                else:
+                    group.append(event)
+            elif isinstance(event, Measurement):
+                out.windows.append(event)
+        for ident, group in groups.items():
+            spec = _SPECS[type(group[0])]
+            ts = list(map(_T_NS, group))
+            span = spans.get(ident)
+            if span is None:
+                spans[ident] = [min(ts), max(ts)]
             else:
-                span = spans[ident]
-                span[0] = min(span[0], t)
-                span[1] = max(span[1], t)
+                span[0] = min(span[0], *ts)
+                span[1] = max(span[1], *ts)
+            metrics = columns.setdefault(ident, {})
             for name, metric in spec[1]:
-                value = getattr(event, name)
-                if value is not None:
-                    column = metrics.get(metric)
-                    if column is None:
-                        column = metrics[metric] = _Column()
-                    column.t.append(t)
-                    column.v.append(value)
-            if not isinstance(event, ProcessSample):
+                values = list(map(_GETTERS[name], group))
+                if None in values:
+                    kept = [(t, v) for t, v in zip(ts, values, strict=True) if v is not None]
+                    if not kept:
+                        continue
+                    col_t: Iterable[int] = (t for t, _ in kept)
+                    col_v: Iterable[float] = (v for _, v in kept)
+                else:
+                    col_t, col_v = ts, values
+                column = metrics.get(metric)
+                if column is None:
+                    column = metrics[metric] = _Column()
+                column.t.extend(col_t)
+                column.v.extend(col_v)
+            if not isinstance(group[0], ProcessSample):
                 history = histories.get(ident)
                 if history is None:
-                    fine = isinstance(event, RaplSample)
+                    fine = isinstance(group[0], RaplSample)
                     history = histories[ident] = DeviceHistory(ident[1], fine_counter=fine)
-                _feed(history, event)
-        elif isinstance(event, Measurement):
-            out.windows.append(event)
+                for event in group:
+                    _feed(history, event)
         ticker.tick()
     ticker.finish()
     several_hosts = len({host for host, _ in columns}) > 1
