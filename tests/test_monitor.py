@@ -280,3 +280,23 @@ def test_thread_monitor_left_open_still_writes_its_recording_at_exit(tmp_path: P
     events = list(reader)
     assert reader.report.clean
     assert [e.name for e in events if isinstance(e, Measurement)] == ["x"]
+
+
+@pytest.mark.parametrize("sampler", ["thread", "process"])
+def test_power_limit_changes_land_in_the_order_asked(sampler: str, tmp_path: Path) -> None:
+    """Back-to-back changes from the caller's thread, none waited for: the last one asked is
+    the limit left in force, and the stream shows them all, in order."""
+    from zeus_async.events import PowerLimitChange
+    from zeus_async.store import RecordingReader
+
+    path = tmp_path / "limits.zarc"
+    asked = [700.0 if i % 2 else 400.0 + i for i in range(40)]
+    with Monitor(
+        backend="sim", sampler=sampler, gpu_indices=[0], record=path, sync_execution_with=None
+    ) as m:
+        futures = [m.set_power_limit(w, source="order-test") for w in asked]
+        for f in futures:
+            f.result(timeout=30)
+    changes = [e for e in RecordingReader(path) if isinstance(e, PowerLimitChange)]
+    assert [c.power_limit_w for c in changes] == asked
+    assert [c.previous_w for c in changes[1:]] == asked[:-1]

@@ -7,6 +7,8 @@ thread only ever posts work to it. Nothing in this module makes the caller wait 
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -27,6 +29,18 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+#: How long :meth:`EmbeddedRuntime.stop` waits for calls scheduled with ``call_soon``.
+_CALL_DRAIN_S = 5.0
+
+
+async def _running_loop() -> asyncio.AbstractEventLoop:
+    return asyncio.get_running_loop()
+
+
+async def _awaited(func: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> Any:
+    return await func(*args)
+
+
 class EmbeddedRuntime:
     """A :class:`Runtime` running on its own event loop in a background thread.
 
@@ -44,6 +58,8 @@ class EmbeddedRuntime:
         self._runtime_cm: AbstractContextManager[Runtime] | None = None
         self.runtime: Runtime | None = None
         self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._futures: set[Future[Any]] = set()
 
     def start(self) -> EmbeddedRuntime:
         """Start the loop thread and the runtime; returns once every sampler is ready."""
@@ -56,6 +72,7 @@ class EmbeddedRuntime:
                 runtime = Runtime(**self._kwargs)
                 runtime_cm = portal.wrap_async_context_manager(runtime)
                 self.runtime = runtime_cm.__enter__()
+                self._loop = portal.call(_running_loop)
             except BaseException:
                 portal_cm.__exit__(None, None, None)
                 raise
@@ -68,6 +85,9 @@ class EmbeddedRuntime:
             if self._portal is None:
                 return
             assert self._runtime_cm is not None and self._portal_cm is not None
+            # Let calls already scheduled (a power-limit restore, say) finish first.
+            concurrent.futures.wait(list(self._futures), timeout=_CALL_DRAIN_S)
+            self._loop = None
             try:
                 self._runtime_cm.__exit__(None, None, None)
             finally:
@@ -89,8 +109,19 @@ class EmbeddedRuntime:
         return self.portal.call(func, *args)
 
     def call_soon(self, func: Callable[..., Awaitable[Any]], *args: Any) -> Future[Any]:
-        """Schedule ``await func(*args)`` on the loop and return at once with a future."""
-        return self.portal.start_task_soon(func, *args)
+        """Schedule ``await func(*args)`` on the loop and return at once with a future.
+
+        Costs the caller ~20 µs (a thread-safe hand-off to the loop), where a blocking portal's
+        ``start_task_soon`` waits for the loop to start the task (~0.4 ms). Calls run in the
+        order they were made; :meth:`stop` lets those still running finish (up to 5 s).
+        """
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError("the embedded runtime is not running")
+        future = asyncio.run_coroutine_threadsafe(_awaited(func, args), loop)
+        self._futures.add(future)
+        future.add_done_callback(self._futures.discard)
+        return future
 
     def publish_soon(self, event: Event) -> None:
         """Inject an event from any thread without waiting."""
