@@ -772,10 +772,8 @@ def test_no_permission_is_reported_at_construction() -> None:
 # -- 5. adaptive profiling ------------------------------------------------------------------------
 
 
-def _run(
-    mon: FakeMonitor, make_opt: Callable[..., GlobalPowerLimitOptimizer], **kwargs: Any
-) -> GlobalPowerLimitOptimizer:
-    opt = make_opt(mon, wait_steps=1, warmup_steps=2, profile_steps=20, **kwargs)
+def _until_decided(opt: GlobalPowerLimitOptimizer, mon: FakeMonitor) -> None:
+    """Step until profiling is over, then wait for the choice."""
     for _ in range(2000):
         if isinstance(opt.state, Done) or (
             isinstance(opt.state, Profiling) and opt.state.steps == 0
@@ -783,6 +781,13 @@ def _run(
             break
         step(opt, mon)
     opt.wait_done(timeout=5)
+
+
+def _run(
+    mon: FakeMonitor, make_opt: Callable[..., GlobalPowerLimitOptimizer], **kwargs: Any
+) -> GlobalPowerLimitOptimizer:
+    opt = make_opt(mon, wait_steps=1, warmup_steps=2, profile_steps=20, **kwargs)
+    _until_decided(opt, mon)
     return opt
 
 
@@ -957,13 +962,7 @@ def test_adaptive_warmup_ends_once_two_steps_agree(
 ) -> None:
     mon = FakeMonitor(noise=0.005)
     opt = make_opt(mon, wait_steps=0, warmup_steps=10, profile_steps=20, adaptive=True)
-    for _ in range(2000):
-        if isinstance(opt.state, Done) or (
-            isinstance(opt.state, Profiling) and opt.state.steps == 0
-        ):
-            break
-        step(opt, mon)
-    opt.wait_done(timeout=5)
+    _until_decided(opt, mon)
     settled = mon.events_of("settled")
     # The fake GPU settles at once: the second and third warmup steps get windows, and the
     # warmup ends at the fourth call, when both are in and agree — not after 10 steps.
