@@ -148,6 +148,14 @@ async def _inspect(args: argparse.Namespace, out: TextIO) -> int:
             mean = "-" if t.mean_power_w is None else f"{t.mean_power_w:.1f}"
             w(f"{key:<16}{energy:>12}{t.duration_s:>9.2f}{mean:>9}  {t.method}\n")
         w(f"{'all GPUs':<16}{totals.gpu_energy_j:>12.2f}\n")
+    if totals.processes:
+        w(f"\n{'process':<16}{'CPU J':>10}{'DRAM J':>10}{'GPU J':>12}{'total J':>12}")
+        w(f"{'time s':>9}\n")
+        for pid, p in totals.processes.items():
+            cells = [p.cpu_energy_j, p.dram_energy_j, sum(p.gpu_energy_j.values())]
+            cpu_s, dram_s, gpu_s = ("-" if c is None else f"{c:.2f}" for c in cells)
+            w(f"{'pid ' + pid:<16}{cpu_s:>10}{dram_s:>10}{gpu_s:>12}{p.total_energy_j:>12.2f}")
+            w(f"{p.duration_s:>9.2f}\n")
     windows = rec.windows()
     if windows:
         w(f"\n{len(windows)} measured window(s)")

@@ -9,6 +9,10 @@ Commands:
     replay     replay a recording into the pipeline (and onto ZeroMQ), at any pace
     record     record a remote stream (a publisher or a proxy) to a file
     plot       draw per-GPU power over time with the windows shaded
+    exporter   serve GPU, RAPL, process and window metrics to Prometheus
+
+``monitor`` and ``exporter`` track processes with ``--pid PID`` or by running a command
+(``zeus-async monitor -- python train.py``): CPU, memory and attributed CPU/DRAM/GPU power.
 
 Errors in arguments or endpoints print one line to stderr and exit non-zero; no traceback.
 """
@@ -26,7 +30,7 @@ from typing import Any, TextIO
 import anyio
 import msgspec
 
-from . import _cli_store
+from . import _cli_processes, _cli_store
 from ._cli_common import stop_on_signals, wait_for_publisher
 from .aggregate import LiveTotals
 from .errors import ZeusAsyncError
@@ -96,6 +100,10 @@ def _build_parser() -> argparse.ArgumentParser:
     mon.add_argument("--duration", type=_positive_float, default=None, help="stop after S s")
     mon.add_argument("--refresh", type=_positive_float, default=0.5, help="table refresh (s)")
     mon.add_argument("--sim-config", default=None, help="simulator config: JSON text or file")
+    mon.add_argument(
+        "--prometheus-port", type=int, default=None, help="also serve metrics to Prometheus"
+    )
+    _cli_processes.add_process_args(mon)
 
     sbs = sub.add_parser("subscribe", help="print events from a publisher")
     sbs.add_argument("endpoints", nargs="+", metavar="ENDPOINT")
@@ -112,6 +120,7 @@ def _build_parser() -> argparse.ArgumentParser:
     prx.add_argument("--out", dest="output", required=True, metavar="ENDPOINT")
     prx.add_argument("--duration", type=_positive_float, default=None, help="stop after S s")
     _cli_store.add_parsers(sub, _positive_float)
+    _cli_processes.add_exporter_parser(sub, _positive_float, _int_list)
     return parser
 
 
@@ -184,53 +193,82 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
     from .runtime import Runtime
 
     totals = LiveTotals()
+    processes = _cli_processes.ProcessTable()
 
     async def consume(stream: anyio.abc.ObjectReceiveStream[Event]) -> None:
         async for event in stream:
             totals.add(event)
+            processes.add(event)
 
     sim_config = _sim_config(args.sim_config)
     if sim_config is None and not os.environ.get("ZEUS_ASYNC_SIM"):
         sim_config = demo_sim_config()
-    runtime = Runtime(
-        backend=args.backend,
-        gpus=args.gpus,
-        cpus="auto" if args.cpus == "auto" else None,
-        period_s=args.period,
-        publish=args.publish,
-        sim_config=sim_config,
-        consumers=[consume],
-        record=args.record,
-    )
-    tty = out.isatty()
-    async with runtime as rt:
-        where = f", publishing on {rt.publisher.endpoint}" if rt.publisher is not None else ""
-        if args.record:
-            where += f", recording to {args.record}"
-        out.write(
-            f"zeus-async monitor: backend {rt.backend}, {len(rt.devices)} device(s), "
-            f"period {args.period * 1e3:g} ms{where}. Ctrl-C to stop.\n"
+    command = _cli_processes.command_of(args)
+    child = _cli_processes.start_command(command) if command else None
+    code = EXIT_OK
+    try:
+        runtime = Runtime(
+            backend=args.backend,
+            gpus=args.gpus,
+            cpus="auto" if args.cpus == "auto" else None,
+            period_s=args.period,
+            publish=args.publish,
+            sim_config=sim_config,
+            consumers=[consume],
+            record=args.record,
+            processes=_cli_processes.tracking_from_args(args, child.pid if child else None),
+            prometheus_port=args.prometheus_port,
         )
-        out.flush()
-        drawn = 0
-        with anyio.CancelScope() as scope:
-            if args.duration is not None:
-                scope.deadline = anyio.current_time() + args.duration
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(stop_on_signals, scope)
-                while True:
-                    await anyio.sleep(args.refresh)
-                    lines = render_table(totals)
-                    if tty and drawn:
-                        out.write(f"\x1b[{drawn}F\x1b[J")
-                    out.write("\n".join(lines) + "\n")
-                    if not tty:
-                        out.write("\n")
-                    out.flush()
-                    drawn = len(lines)
+        tty = out.isatty()
+        async with runtime as rt:
+            where = f", publishing on {rt.publisher.endpoint}" if rt.publisher is not None else ""
+            if args.record:
+                where += f", recording to {args.record}"
+            if rt.prometheus_port is not None:
+                where += f", metrics on http://127.0.0.1:{rt.prometheus_port}/metrics"
+            if child is not None:
+                where += f", running {' '.join(command)} (pid {child.pid})"
+            out.write(
+                f"zeus-async monitor: backend {rt.backend}, {len(rt.devices)} device(s), "
+                f"period {args.period * 1e3:g} ms{where}. Ctrl-C to stop.\n"
+            )
+            out.flush()
+            drawn = 0
+            with anyio.CancelScope() as scope:
+                if args.duration is not None:
+                    scope.deadline = anyio.current_time() + args.duration
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(stop_on_signals, scope)
+                    while True:
+                        await anyio.sleep(args.refresh)
+                        lines = render_table(totals)
+                        table = processes.lines()
+                        if table:
+                            lines += ["", *table]
+                        if tty and drawn:
+                            out.write(f"\x1b[{drawn}F\x1b[J")
+                        out.write("\n".join(lines) + "\n")
+                        if not tty:
+                            out.write("\n")
+                        out.flush()
+                        drawn = len(lines)
+                        if child is not None and child.poll() is not None:
+                            code = child.returncode
+                            scope.cancel()
+    finally:
+        if child is not None and child.poll() is None:
+            child.terminate()
+            child.wait()
     out.write("\nTotals\n" + "\n".join(render_totals(totals)) + "\n")
+    table = processes.lines()
+    if table:
+        out.write("\n".join(table) + "\n")
     out.flush()
-    return EXIT_OK
+    return code
+
+
+async def _exporter(args: argparse.Namespace, out: TextIO) -> int:
+    return await _cli_processes.run_exporter(args, out, _sim_config(args.sim_config))
 
 
 # -- subscribe ----------------------------------------------------------------------------------
@@ -309,7 +347,12 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     logging.basicConfig(
         level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s"
     )
-    commands = {"monitor": _monitor, "subscribe": _subscribe, "proxy": _proxy}
+    commands = {
+        "monitor": _monitor,
+        "subscribe": _subscribe,
+        "proxy": _proxy,
+        "exporter": _exporter,
+    }
     commands.update(_cli_store.COMMANDS)
     if args.command is None:
         parser.print_help(stream)

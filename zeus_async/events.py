@@ -110,7 +110,34 @@ class RaplSample(msgspec.Struct, tag="rapl", **_OPTS):
 
 
 class ProcessSample(msgspec.Struct, tag="proc", **_OPTS):
-    """Resource use of one process (host side and, when known, on one GPU)."""
+    """Resource use of one tracked process: on the host (``gpu is None``) or on one GPU.
+
+    A process sampler (:mod:`zeus_async.runtime.processes`) publishes, every period, one
+    host-side sample per tracked pid and one sample per (pid, GPU) the pid runs on. Rates and
+    powers are over the period that ends at ``t_ns``; they are ``None`` on a pid's first sample
+    (nothing to difference yet), whose cumulative energies are ``0.0``.
+
+    Host side (``gpu is None``):
+        cpu_frac: CPU time used / (wall time * logical CPUs): share of the whole machine.
+        memory_rss_bytes, memory_pss_bytes, memory_uss_bytes: Resident, proportional and unique
+            set sizes (PSS/USS need ``/proc/<pid>/smaps_rollup``; ``None`` when unreadable).
+        memory_frac: PSS (RSS when PSS is unknown) / physical memory.
+        cpu_share_frac: This pid's CPU time / CPU time used by the whole machine in the period.
+        cpu_power_w, cpu_energy_j: ``cpu_share_frac`` * RAPL package power, and its running
+            total since the pid was first sampled (``None`` without RAPL).
+        dram_power_w, dram_energy_j: PSS / memory in use * RAPL DRAM power, and its total.
+
+    On a GPU (``gpu`` set):
+        gpu_sm_frac: SM utilization of the pid (NVML per-process samples, mean over the period).
+        gpu_memory_bytes: Device memory the pid holds.
+        gpu_sm_share_frac, gpu_memory_share_frac: The pid's SM utilization and memory relative
+            to all tracked pids on this GPU.
+        gpu_power_share_frac: The pid's share of the GPU's power: its SM utilization over the
+            SM utilization of every process on the GPU (tracked or not); on an idle GPU, its
+            memory over all processes' memory.
+        attributed_power_w, attributed_energy_j: GPU power over the period *
+            ``gpu_power_share_frac``, and its running total since the pair was first sampled.
+    """
 
     host: str
     t_ns: int
@@ -123,6 +150,16 @@ class ProcessSample(msgspec.Struct, tag="proc", **_OPTS):
     gpu_sm_frac: float | None = None
     gpu_memory_bytes: int | None = None
     attributed_power_w: float | None = None
+    memory_frac: float | None = None
+    cpu_share_frac: float | None = None
+    cpu_power_w: float | None = None
+    cpu_energy_j: float | None = None
+    dram_power_w: float | None = None
+    dram_energy_j: float | None = None
+    gpu_sm_share_frac: float | None = None
+    gpu_memory_share_frac: float | None = None
+    gpu_power_share_frac: float | None = None
+    attributed_energy_j: float | None = None
 
 
 class WindowOpen(msgspec.Struct, tag="win_open", **_OPTS):
@@ -252,7 +289,11 @@ class DeviceInfo(msgspec.Struct, array_like=True, gc=False):
 
 
 class StreamInfo(msgspec.Struct, tag="stream", **_OPTS):
-    """Describes a stream: who publishes it and which devices it covers. Sent on start."""
+    """Describes a stream: who publishes it and which devices it covers. Sent on start.
+
+    ``meta`` is the run metadata (as in a recording header): job name, model complexity
+    (``model.params``, ``model.flops``, ...) and whatever the user passed.
+    """
 
     host: str
     t_ns: int
@@ -261,6 +302,7 @@ class StreamInfo(msgspec.Struct, tag="stream", **_OPTS):
     pid: int = 0
     argv: list[str] = msgspec.field(default_factory=list)
     devices: list[DeviceInfo] = msgspec.field(default_factory=list)
+    meta: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", **_OPTS):

@@ -34,7 +34,7 @@ import io
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,7 +48,8 @@ from ._exit import call_at_exit
 from .aggregate.windows import WindowResult, WindowTracker, next_window_id, pop_open_window
 from .errors import ConfigError
 from .events import DeviceInfo, Event, Measurement, event_to_json
-from .runtime import EmbeddedRuntime
+from .model_complexity import ModelComplexity, model_complexity
+from .runtime import EmbeddedRuntime, ProcessTracking
 from .runtime.sampler_process import Edge, SamplerProcess
 
 __all__ = ["Monitor", "ProfilingResult", "WindowContext", "window_log_consumer"]
@@ -149,6 +150,17 @@ class Monitor:
             ``"thread"`` (sample on a thread of this process).
         record: Write every sample, window edge and measurement to this recording file
             (:mod:`zeus_async.store`; read it with ``RecordingReader``).
+        processes: Per-process metrics (:class:`~zeus_async.runtime.ProcessTracking`;
+            ``True`` = this process and its descendants, every second): CPU, memory and
+            attributed CPU/DRAM/GPU power, as :class:`~zeus_async.events.ProcessSample`
+            events in the recording and on the bus.
+        model: A ``torch.nn.Module`` whose parameter count and FLOPs/MACs for ``input_size``
+            are measured once and written into the run metadata (:attr:`model_complexity`).
+        input_size: Input shape for ``model``, batch dimension first.
+        meta: More run metadata (recording header and stream info).
+        prometheus_port: Serve the samples, process metrics and window energies on a
+            Prometheus endpoint at this port (``0``: any free port, see
+            :attr:`prometheus_port`).
         **runtime_options: More :class:`~zeus_async.runtime.Runtime` arguments (``clock``,
             ``sim_config``, ``fields``, ...). By default only ``power_w`` and ``energy_j`` are
             sampled, at ``sample_period``: that is all windows need.
@@ -170,6 +182,11 @@ class Monitor:
         finalize_timeout_s: float = 0.5,
         sampler: str = "process",
         record: str | Path | None = None,
+        processes: ProcessTracking | bool | None = None,
+        model: Any = None,
+        input_size: Sequence[int] | None = None,
+        meta: Mapping[str, str] | None = None,
+        prometheus_port: int | None = None,
         **runtime_options: Any,
     ) -> None:
         if sync_execution_with not in ("torch", None):
@@ -179,6 +196,14 @@ class Monitor:
         if sampler not in ("process", "thread"):
             raise ConfigError(f"sampler must be 'process' or 'thread', not {sampler!r}")
         self._sync = sync_execution_with
+        run_meta = dict(meta or {})
+        self.model_complexity: ModelComplexity | None = None
+        if model is not None:
+            if input_size is None:
+                raise ConfigError("model complexity needs input_size (batch dimension first)")
+            self.model_complexity = model_complexity(model, input_size)
+            run_meta.update(self.model_complexity.as_meta())
+        tracking = ProcessTracking() if processes is True else (processes or None)
         # Windows need power and energy only; other fields cost reads (pass ``fields`` for more).
         runtime_options.setdefault("fields", {"power_w": None, "energy_j": None})
         self._open: dict[str, tuple[int, int]] = {}
@@ -205,8 +230,13 @@ class Monitor:
                 log_file=log_file,
                 finalize_timeout_s=finalize_timeout_s,
                 record=record,
+                processes=tracking,
+                meta=run_meta,
+                prometheus_port=prometheus_port,
                 **runtime_options,
             )
+            #: Port of the Prometheus endpoint (``None`` without one).
+            self.prometheus_port: int | None = self._process.prometheus_port
             self.gpu_indices: list[int] = list(self._process.gpu_indices)
             self.cpu_indices: list[int] = list(self._process.cpu_indices)
         else:
@@ -223,12 +253,16 @@ class Monitor:
                 finalize_timeout_s=finalize_timeout_s,
                 consumers=consumers,
                 record=record,
+                processes=tracking,
+                meta=run_meta,
+                prometheus_port=prometheus_port,
                 **runtime_options,
             )
             self._embedded.start()
             runtime = self._embedded.runtime
             assert runtime is not None and runtime.tracker is not None
             self._tracker = runtime.tracker
+            self.prometheus_port = runtime.prometheus_port
             self.gpu_indices = sorted(self._tracker.gpu_indices)
             self.cpu_indices = sorted(self._tracker.cpu_packages)
         call_at_exit(self.close)

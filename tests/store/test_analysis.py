@@ -461,3 +461,52 @@ async def test_simulated_run_against_ground_truth(tmp_path: Path) -> None:
         sum(d.energy_j or 0.0 for d in totals.devices.values())
     )
     assert totals.cpu_energy_j is None and totals.dram_energy_j is None
+
+
+def test_process_totals_and_aipowermeter_names(tmp_path: Path) -> None:
+    """Running totals of ProcessSample events become per-process and experiment totals."""
+    events: list[Event] = []
+    for k in range(3):  # samples at 0, 1, 2 s; running totals start at 0
+        t = T0 + k * 1000 * MS
+        events.append(
+            ProcessSample(
+                H,
+                t,
+                7,
+                cpu_frac=0.5,
+                cpu_power_w=None if k == 0 else 20.0,
+                cpu_energy_j=20.0 * k,
+                dram_energy_j=1.0 * k,
+            )
+        )
+        events.append(
+            ProcessSample(
+                H,
+                t,
+                7,
+                gpu=0,
+                attributed_power_w=None if k == 0 else 100.0,
+                attributed_energy_j=100.0 * k,
+            )
+        )
+        events.append(ProcessSample(H, t, 7, gpu=1, attributed_energy_j=30.0 * k))
+        events.append(ProcessSample(H, t, 8, cpu_energy_j=5.0 * k))
+    path = tmp_path / "procs.zarc"
+    write_recording(path, events, HEADER)
+    rec = Recording(path)
+    totals = rec.totals()
+    p7, p8 = totals.processes["7"], totals.processes["8"]
+    assert (p7.cpu_energy_j, p7.dram_energy_j, p7.gpu_energy_j) == (40.0, 2.0, {0: 200.0, 1: 60.0})
+    assert p7.total_energy_j == 302.0
+    assert (p7.start_ns, p7.end_ns, p7.duration_s) == (T0, T0 + 2000 * MS, 2.0)
+    assert (p8.cpu_energy_j, p8.dram_energy_j, p8.gpu_energy_j) == (10.0, None, {})
+    assert totals.process_cpu_energy_j == 50.0
+    assert totals.process_dram_energy_j == 2.0
+    assert totals.process_gpu_energy_j == 260.0
+    assert json.loads(json.dumps(totals.to_dict()))["processes"]["7"]["total_energy_j"] == 302.0
+    # Power integrated over time agrees with the running totals; AIPowerMeter names work.
+    assert rec.total("per_process_cpu_power") == pytest.approx(20.0)  # from 1 s to 2 s
+    assert rec.total("proc.cpu_energy_j", "proc:7") == pytest.approx(40.0)
+    assert rec.total("nvidia_attributable_power") == pytest.approx(100.0)
+    series = rec.series("per_gpu_attributable_power", "proc:7/gpu:0")
+    assert (series.metric, series.values) == ("proc.attributed_power_w", [100.0, 100.0])

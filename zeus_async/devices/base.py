@@ -8,11 +8,11 @@ that touches hardware; the runtime decides on which thread it runs.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from ..events import DeviceInfo, Event
 
-__all__ = ["GPU_FIELDS", "Device", "GpuControl"]
+__all__ = ["GPU_FIELDS", "Device", "GpuControl", "GpuProcessReader", "GpuProcesses"]
 
 #: Every GPU field a GPU device may read; names match :class:`~zeus_async.events.GpuSample`.
 GPU_FIELDS: tuple[str, ...] = (
@@ -81,3 +81,36 @@ class GpuControl(Protocol):
     def lock_sm_clocks_hz(self, min_hz: float, max_hz: float) -> None: ...
 
     def reset_sm_clocks(self) -> None: ...
+
+
+class GpuProcesses(NamedTuple):
+    """What one GPU reports about the processes using it.
+
+    Attributes:
+        memory_bytes: Device memory held by each process on the GPU (compute and graphics
+            contexts), ``None`` where the driver does not say (some MIG and container setups).
+        sm_frac: Mean SM utilization (0..1) of each process over the driver's samples newer
+            than the timestamp asked for; processes that ran no kernel since then are absent.
+        last_seen_us: Timestamp (driver µs) of the newest sample, to ask from next time.
+    """
+
+    memory_bytes: dict[int, int | None]
+    sm_frac: dict[int, float]
+    last_seen_us: int
+
+
+@runtime_checkable
+class GpuProcessReader(Protocol):
+    """A GPU that can say which processes use it and how much (NVML, simulator)."""
+
+    @property
+    def index(self) -> int: ...
+
+    def read_processes(self, since_us: int) -> GpuProcesses:
+        """Processes on the GPU now, with utilization samples newer than ``since_us``.
+
+        Blocking (several driver calls). Raises a :class:`~zeus_async.errors.DeviceError`
+        subclass when the GPU cannot be read at all (``NotSupportedError`` when the driver has
+        no per-process accounting).
+        """
+        ...

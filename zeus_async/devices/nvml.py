@@ -45,7 +45,7 @@ from ..errors import (
     ZeusAsyncError,
 )
 from ..events import DeviceInfo, Event, GpuSample
-from .base import GPU_FIELDS
+from .base import GPU_FIELDS, GpuProcesses
 from .nvml_visible import parse_cuda_visible_devices
 
 __all__ = [
@@ -79,6 +79,7 @@ _LOST_CODES: Final = frozenset({8, 11, 15, 16})  # INSUFFICIENT_POWER, IRQ, GPU_
 _DRIVER_CODES: Final = frozenset({1, 9, 12, 18})  # UNINITIALIZED, NOT_LOADED, NO_LIBRARY, RM
 _ARGUMENT_CODES: Final = frozenset({2, 24})  # INVALID_ARGUMENT, FREQ_NOT_SUPPORTED
 _NOT_FOUND_CODES: Final = frozenset({6, 28})  # NOT_FOUND, GPU_NOT_FOUND
+_NVML_NOT_FOUND: Final = 6  # also "no sample newer than the timestamp"
 _FATAL_CODES: Final = _LOST_CODES | _DRIVER_CODES
 
 PRIVILEGE_HINT: Final = (
@@ -429,6 +430,60 @@ class NvmlGpu:
 
     def _read_power_limit(self) -> float:
         return float(self._nv.nvmlDeviceGetEnforcedPowerLimit(self._handle)) / 1000.0
+
+    # -- processes --------------------------------------------------------------------------
+
+    def read_processes(self, since_us: int) -> GpuProcesses:
+        """Processes on this GPU (see :meth:`GpuProcessReader.read_processes`).
+
+        Memory comes from the running compute and graphics processes; SM utilization from
+        ``nvmlDeviceGetProcessUtilization`` (several samples of one pid are averaged). NVML
+        answers NOT_FOUND when no process ran since ``since_us``: that is an empty result.
+        """
+        nv = self._nv
+        memory: dict[int, int | None] = {}
+        listed = False
+        for name in (
+            "nvmlDeviceGetComputeRunningProcesses",
+            "nvmlDeviceGetGraphicsRunningProcesses",
+        ):
+            fn = getattr(nv, name, None)
+            if fn is None:
+                continue
+            try:
+                procs = fn(self._handle)
+            except self._error as exc:
+                if _code(exc) in _NOT_SUPPORTED_CODES:
+                    continue
+                raise map_nvml_error(exc, self._key, "listing processes") from None
+            listed = True
+            for proc in procs:
+                used = getattr(proc, "usedGpuMemory", None)
+                pid = int(proc.pid)
+                held = None if used is None else int(used)
+                previous = memory.get(pid)
+                memory[pid] = held if previous is None else previous + (held or 0)
+        if not listed:
+            raise NotSupportedError(
+                f"{self._key}: the driver does not list the processes using the GPU",
+                device=self._key,
+            )
+        sums: dict[int, list[float]] = {}
+        last_seen = since_us
+        try:
+            samples = nv.nvmlDeviceGetProcessUtilization(self._handle, since_us)
+        except self._error as exc:
+            code = _code(exc)
+            if code != _NVML_NOT_FOUND and code not in _NOT_SUPPORTED_CODES:
+                raise map_nvml_error(exc, self._key, "reading process utilization") from None
+            samples = ()
+        for sample in samples:
+            acc = sums.setdefault(int(sample.pid), [0.0, 0.0])
+            acc[0] += float(sample.smUtil)
+            acc[1] += 1.0
+            last_seen = max(last_seen, int(sample.timeStamp))
+        sm = {pid: total / count / 100.0 for pid, (total, count) in sums.items()}
+        return GpuProcesses(memory, sm, last_seen)
 
     # -- control ----------------------------------------------------------------------------
 

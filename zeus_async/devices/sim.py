@@ -238,19 +238,17 @@ class SimGpu:
     def _make_processes(self) -> list[SimProcess]:
         cfg = self.node.config
         rng = random.Random(stable_hash(cfg.seed, self.index, "processes"))
-        n = cfg.processes_per_gpu
+        n = len(cfg.process_pids) or cfg.processes_per_gpu
         weights = [rng.random() + 0.1 for _ in range(n)]
         total = sum(weights) or 1.0
         room = max(cfg.memory_total_bytes - cfg.memory_base_bytes, 0) // max(n, 1)
         gib = 1 << 30
-        return [
-            SimProcess(
-                pid=1000 + rng.randrange(4_000_000),
-                sm_share=w / total,
-                memory_bytes=min(rng.randint(1, 16) * gib, room),
-            )
-            for w in weights
-        ]
+        out: list[SimProcess] = []
+        for i, w in enumerate(weights):
+            pid = cfg.process_pids[i] if cfg.process_pids else 1000 + rng.randrange(4_000_000)
+            memory = min(rng.randint(1, 16) * gib, room)
+            out.append(SimProcess(pid=pid, sm_share=w / total, memory_bytes=memory))
+        return out
 
     def _table(self, settings: _Settings) -> _Table:
         table = self._cache.get(settings)

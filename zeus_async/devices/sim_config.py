@@ -122,6 +122,9 @@ class SimConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
     * ``call_latency_s``: CPU time each pynvml call burns (busy-wait), like a driver ioctl.
     * ``power_noise_w``: amplitude of uniform, seeded noise on *reported* power readings.
     * ``memory_bound_frac``: share of the work that does not speed up with the SM clock.
+    * ``process_pids``: pids of the simulated processes on every GPU, replacing the
+      ``processes_per_gpu`` random ones, so a test or demo can put real pids (its own, its
+      children) on the simulated GPUs. Each gets a seeded share of the GPU's SM utilization.
     """
 
     num_gpus: NonNegInt = 4
@@ -156,6 +159,7 @@ class SimConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
     memory_idle_w: NonNegFloat = 20.0
     memory_dyn_w: NonNegFloat = 60.0
     processes_per_gpu: NonNegInt = 2
+    process_pids: tuple[NonNegInt, ...] = ()
     persistence_mode: bool = True
     driver_version: str = "550.90.07"
     nvml_version: str = "12.550.90.07"

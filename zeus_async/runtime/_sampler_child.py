@@ -48,6 +48,10 @@ async def _run(cfg: ChildConfig) -> None:
         msgspec.json.decode(cfg.sim_config, type=SimConfig) if cfg.sim_config else None
     )
     consumers = [window_log_consumer(cfg.log_file)] if cfg.log_file else []
+    processes = cfg.processes
+    if processes is not None:
+        # The parent's process tree, less this sampler process.
+        processes = msgspec.structs.replace(processes, exclude=(*processes.exclude, os.getpid()))
     try:
         async with Runtime(
             backend=cfg.backend,
@@ -61,6 +65,10 @@ async def _run(cfg: ChildConfig) -> None:
             finalize_timeout_s=cfg.finalize_timeout_s,
             consumers=consumers,
             record=cfg.record,
+            processes=processes,
+            meta=cfg.meta,
+            prometheus_port=cfg.prometheus_port,
+            prometheus_addr=cfg.prometheus_addr,
         ) as rt:
             tracker = rt.tracker
             assert tracker is not None
@@ -74,6 +82,7 @@ async def _run(cfg: ChildConfig) -> None:
                     backend=rt.backend,
                     endpoint=endpoint,
                     devices=[d.describe() for d in rt.devices if d.key.startswith("gpu:")],
+                    prometheus_port=rt.prometheus_port,
                 )
             )
 

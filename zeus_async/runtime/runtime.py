@@ -31,10 +31,12 @@ from anyio.abc import ObjectReceiveStream, TaskGroup, TaskStatus
 from ..aggregate.windows import WindowResult, WindowTracker
 from ..clock import Clock, RealClock
 from ..devices import OpenedDevices, open_devices
-from ..devices.base import Device, GpuControl
+from ..devices.base import Device, GpuControl, GpuProcessReader
+from ..devices.processes import ProcessSource
 from ..errors import ConfigError
 from ..events import Event, PowerLimitChange, StreamInfo
 from .hub import EventBatches, Hub
+from .processes import EnergyMeter, ProcessSampler, ProcessTracking
 from .sampler import Sampler
 
 __all__ = ["DEFAULT_GPU_FIELDS", "Runtime", "WindowHandle"]
@@ -96,6 +98,17 @@ class Runtime:
         record: Write every event to this recording file (lossless consumer, see
             :mod:`zeus_async.store`), with the devices in its header.
         rapl_root: powercap sysfs root.
+        processes: Track processes (:class:`~.processes.ProcessTracking`; ``True`` = this
+            process and its descendants, every second): publishes
+            :class:`~zeus_async.events.ProcessSample` events with CPU, memory and attributed
+            CPU/DRAM/GPU power (see :mod:`zeus_async.runtime.processes`).
+        process_source: Host-side process readings (default: psutil; tests pass a fake).
+        prometheus_port: Serve a Prometheus endpoint (:mod:`zeus_async.exporters.prometheus`)
+            at this port while the runtime runs (``0``: any free port; the bound one is
+            :attr:`prometheus_port`).
+        prometheus_addr: Address it binds (default loopback; ``0.0.0.0`` for every interface).
+        meta: Run metadata, in the recording header (``record``) and the
+            :class:`~zeus_async.events.StreamInfo` event.
     """
 
     def __init__(
@@ -117,6 +130,11 @@ class Runtime:
         windows: bool = False,
         finalize_timeout_s: float = 0.5,
         record: str | os.PathLike[str] | None = None,
+        processes: ProcessTracking | bool | None = None,
+        process_source: ProcessSource | None = None,
+        meta: Mapping[str, str] | None = None,
+        prometheus_port: int | None = None,
+        prometheus_addr: str = "127.0.0.1",
     ) -> None:
         if not period_s > 0:
             raise ConfigError(f"period_s must be positive, got {period_s!r}")
@@ -157,7 +175,18 @@ class Runtime:
         self._finalize_timeout_s = finalize_timeout_s
         self.tracker: WindowTracker | None = None
         self._record = record
+        self._meta = dict(meta or {})
         self.recorder: Any | None = None
+        if processes is True:
+            processes = ProcessTracking()
+        self._processes: ProcessTracking | None = processes or None
+        self._process_source = process_source
+        self.process_sampler: ProcessSampler | None = None
+        self._meter: EnergyMeter | None = None
+        self._prometheus = (prometheus_port, prometheus_addr)
+        #: The bound Prometheus port while running (``None`` without an endpoint).
+        self.prometheus_port: int | None = None
+        self.exporter: Any | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -174,6 +203,9 @@ class Runtime:
         try:
             self._open_devices()
             stack.callback(self._close_devices)
+            if self._prometheus[0] is not None:
+                # Bind before any task starts, so a port in use is a plain ConfigError.
+                self._start_exporter(stack)
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             self._stack = stack
             if self._record is not None:
@@ -185,6 +217,7 @@ class Runtime:
                     pid=os.getpid(),
                     argv=list(sys.argv),
                     devices=[d.describe() for d in self.devices],
+                    meta=dict(self._meta),
                     compression="zstd",
                 )
                 self.recorder = Recorder(self._record, header=header, clock=self.clock)
@@ -203,6 +236,11 @@ class Runtime:
                 self._tg.start_soon(self._run_tracker_pump)
             for consumer in self._initial_consumers:
                 self.start_consumer(consumer)
+            if self.exporter is not None:
+                self.start_consumer(self.exporter.run, batched=True)
+            if self._processes is not None:
+                self._meter = EnergyMeter()
+                self.hub.add_sink(self._meter.add)
             if self._publish_arg is not None:
                 await self._start_publisher(self._tg)
             await self.hub.publish(self.stream_info())
@@ -263,6 +301,17 @@ class Runtime:
         if not self.devices:
             logger.warning("no device to sample (no GPU and no readable RAPL package)")
 
+    def _start_exporter(self, stack: AsyncExitStack) -> None:
+        from ..exporters.prometheus import PrometheusExporter
+
+        port, addr = self._prometheus
+        assert port is not None
+        exporter = PrometheusExporter()
+        self.prometheus_port = exporter.serve(port, addr)
+        stack.callback(exporter.close)
+        self.exporter = exporter
+        logger.info("Prometheus endpoint: http://%s:%d/metrics", addr, self.prometheus_port)
+
     def _close_devices(self) -> None:
         if not self._owns_devices:
             return
@@ -298,6 +347,7 @@ class Runtime:
             pid=os.getpid(),
             argv=list(sys.argv),
             devices=[d.describe() for d in self.devices],
+            meta=dict(self._meta),
         )
 
     async def _run_samplers(
@@ -319,9 +369,24 @@ class Runtime:
                         )
                         self.samplers.append(sampler)
                         await tg.start(sampler.run)
+                    if self._processes is not None:
+                        await tg.start(self._make_process_sampler().run)
                     task_status.started()
         finally:
             self._samplers_done.set()
+
+    def _make_process_sampler(self) -> ProcessSampler:
+        assert self._processes is not None and self._meter is not None
+        source = self._process_source
+        if source is None:
+            from ..devices.processes import default_source
+
+            source = default_source()
+        gpus = [d for d in self.devices if isinstance(d, GpuProcessReader)]
+        self.process_sampler = ProcessSampler(
+            self._processes, source, gpus, self.hub, self.clock, self.host, self._meter
+        )
+        return self.process_sampler
 
     def _fields_for(self, device: Device) -> Mapping[str, float | None]:
         if device.key.startswith("gpu:"):

@@ -31,6 +31,7 @@ from .. import errors
 from ..aggregate.windows import WindowResult
 from ..errors import ConfigError
 from ..events import DeviceInfo, Event, Measurement
+from .processes import ProcessTracking
 
 __all__ = ["SamplerProcess"]
 
@@ -56,6 +57,10 @@ class ChildConfig(msgspec.Struct, frozen=True):
     sim_config: str | None = None
     parent_pid: int = 0
     record: str | None = None
+    processes: ProcessTracking | None = None
+    meta: dict[str, str] = {}
+    prometheus_port: int | None = None
+    prometheus_addr: str = "127.0.0.1"
 
 
 class Edge(msgspec.Struct, tag="edge", array_like=True):
@@ -101,6 +106,7 @@ class Reply(msgspec.Struct, omit_defaults=True):
     seq: int = 0
     error_type: str = ""
     devices: list[DeviceInfo] = []
+    prometheus_port: int | None = None
 
 
 def control_error(error_type: str, message: str) -> Exception:
@@ -121,6 +127,12 @@ class SamplerProcess:
         sim_config: A :class:`~zeus_async.devices.sim.SimConfig` for the ``sim`` backend.
         start_timeout_s: How long to wait for the child to be sampling.
         record: Recording file written by the child (every event, lossless).
+        processes: Process tracking; by default the tree of *this* (the parent) process,
+            without the sampler process itself.
+        meta: Run metadata (recording header, stream info).
+        prometheus_port: Serve a Prometheus endpoint from the child on this port (0: any
+            free port; :attr:`prometheus_port` then says which).
+        prometheus_addr: Address the Prometheus endpoint binds.
 
     Raises:
         RuntimeError: The child failed to start (its error output is in the message).
@@ -140,9 +152,15 @@ class SamplerProcess:
         sim_config: object | None = None,
         start_timeout_s: float = 60.0,
         record: str | os.PathLike[str] | None = None,
+        processes: ProcessTracking | None = None,
+        meta: Mapping[str, str] | None = None,
+        prometheus_port: int | None = None,
+        prometheus_addr: str = "127.0.0.1",
     ) -> None:
         if not period_s > 0:
             raise ConfigError(f"period_s must be positive, got {period_s!r}")
+        if processes is not None and processes.root is None and processes.pids is None:
+            processes = msgspec.structs.replace(processes, root=os.getpid())
         self._dir = tempfile.mkdtemp(prefix="zeus-async-")
         self._ctx = zmq.Context()
         self._edges = self._ctx.socket(zmq.PUSH)
@@ -176,6 +194,10 @@ class SamplerProcess:
             sim_config=sim_json,
             parent_pid=os.getpid(),
             record=os.fspath(record) if record is not None else None,
+            processes=processes,
+            meta=dict(meta or {}),
+            prometheus_port=prometheus_port,
+            prometheus_addr=prometheus_addr,
         )
         self._stderr = open(os.path.join(self._dir, "stderr"), "w+b")  # noqa: SIM115
         self._proc = subprocess.Popen(
@@ -195,6 +217,7 @@ class SamplerProcess:
         self.backend = ready.backend
         self.endpoint = ready.endpoint
         self.devices: list[DeviceInfo] = ready.devices
+        self.prometheus_port: int | None = ready.prometheus_port
         self._reader = threading.Thread(
             target=self._read_replies, name="zeus-async-sampler-io", daemon=True
         )

@@ -29,6 +29,17 @@ When the events of a recording come from more than one host, every key gets the 
 (``gpu``, ``package``, ``pid``); :meth:`Recording.metrics` lists those with at least one value
 in the file. A new numeric field in the schema becomes a metric with no change here.
 
+Processes
+---------
+
+Recordings of a runtime with process tracking hold :class:`~zeus_async.events.ProcessSample`
+events: ``proc.*`` metrics like any other (``total("proc.cpu_power_w")`` integrates a tracked
+process's CPU power; ``total("proc.attributed_power_w")`` the GPU power attributed to every
+tracked process). :meth:`Recording.totals` adds, per process, the attributed CPU, DRAM and
+per-GPU energy from the samples' running totals, and their sums for the experiment.
+AIPowerMeter's metric names are accepted too (:data:`AIPOWERMETER_METRICS`:
+``total("per_process_cpu_power")``, ``series("nvidia_attributable_power", ...)``).
+
 Progress
 --------
 
@@ -74,9 +85,11 @@ from .progress import PROGRESS_EVERY, Progress, ProgressTicker
 from .reader import RecordingReader, RecoveryReport, event_device
 
 __all__ = [
+    "AIPOWERMETER_METRICS",
     "CSV_FIXED",
     "PROGRESS_EVERY",
     "DeviceTotal",
+    "ProcessTotal",
     "Progress",
     "Recording",
     "Series",
@@ -114,6 +127,24 @@ _SPECS: Final[dict[type[Any], tuple[str, tuple[tuple[str, str], ...]]]] = {
     cls: (tag, tuple((f, f"{tag}.{f}") for f in _numeric_fields(cls)))
     for cls in (GpuSample, RaplSample, ProcessSample)
     for tag in [str(cls.__struct_config__.tag)]
+}
+
+
+#: AIPowerMeter's metric names, accepted wherever a metric is (``total("per_process_cpu_power")``).
+AIPOWERMETER_METRICS: Final = {
+    "per_process_cpu_power": "proc.cpu_power_w",
+    "per_process_dram_power": "proc.dram_power_w",
+    "per_process_cpu_uses": "proc.cpu_share_frac",
+    "per_process_mem_use_abs": "proc.memory_pss_bytes",
+    "per_process_mem_use_uss": "proc.memory_uss_bytes",
+    "per_process_mem_use_percent": "proc.memory_frac",
+    "nvidia_attributable_power": "proc.attributed_power_w",
+    "per_gpu_attributable_power": "proc.attributed_power_w",
+    "per_gpu_per_pid_utilization_absolute": "proc.gpu_sm_frac",
+    "per_gpu_attributable_mem_use": "proc.gpu_memory_bytes",
+    "per_gpu_estimated_attributable_utilization": "proc.gpu_power_share_frac",
+    "per_gpu_power_draw": "gpu.power_w",
+    "nvidia_draw_absolute": "gpu.power_w",
 }
 
 
@@ -210,6 +241,39 @@ class DeviceTotal:
 
 
 @dataclass(frozen=True)
+class ProcessTotal:
+    """Attributed energy of one tracked process over the recording (from its
+    :class:`~zeus_async.events.ProcessSample` running totals).
+
+    Attributes:
+        pid: Process id (with ``@host`` appended in multi-host recordings, as device keys are).
+        cpu_energy_j: Share of the RAPL package energy, or ``None`` without RAPL.
+        dram_energy_j: Share of the RAPL DRAM energy, or ``None`` without a DRAM domain.
+        gpu_energy_j: GPU index to the energy attributed on that GPU.
+        start_ns: First sample of the process.
+        end_ns: Last sample of the process.
+        duration_s: ``end_ns - start_ns`` in seconds.
+    """
+
+    pid: str
+    cpu_energy_j: float | None
+    dram_energy_j: float | None
+    gpu_energy_j: dict[int, float]
+    start_ns: int
+    end_ns: int
+    duration_s: float
+
+    @property
+    def total_energy_j(self) -> float:
+        """CPU + DRAM + every GPU."""
+        return (
+            (self.cpu_energy_j or 0.0)
+            + (self.dram_energy_j or 0.0)
+            + sum(self.gpu_energy_j.values())
+        )
+
+
+@dataclass(frozen=True)
 class Totals:
     """Per-device and experiment totals of a recording (see :meth:`Recording.totals`).
 
@@ -221,6 +285,10 @@ class Totals:
         total_energy_j: GPU + CPU + DRAM (the ``core``/``uncore`` domains lie inside
             ``package`` and ``psys`` contains it, so they are not added).
         duration_s: Duration of the recording.
+        processes: Per tracked process, its attributed energy (empty without process
+            tracking).
+        process_cpu_energy_j, process_dram_energy_j, process_gpu_energy_j: The experiment's
+            share: sums over the tracked processes (``None`` when nothing was attributed).
     """
 
     devices: dict[str, DeviceTotal]
@@ -229,6 +297,10 @@ class Totals:
     dram_energy_j: float | None
     total_energy_j: float
     duration_s: float
+    processes: dict[str, ProcessTotal] = field(default_factory=dict)
+    process_cpu_energy_j: float | None = None
+    process_dram_energy_j: float | None = None
+    process_gpu_energy_j: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly dict of everything here."""
@@ -239,6 +311,13 @@ class Totals:
             "dram_energy_j": self.dram_energy_j,
             "total_energy_j": self.total_energy_j,
             "duration_s": self.duration_s,
+            "processes": {
+                k: {**vars(v), "total_energy_j": v.total_energy_j}
+                for k, v in self.processes.items()
+            },
+            "process_cpu_energy_j": self.process_cpu_energy_j,
+            "process_dram_energy_j": self.process_dram_energy_j,
+            "process_gpu_energy_j": self.process_gpu_energy_j,
         }
 
 
@@ -397,7 +476,7 @@ class Recording:
         those with values of ``metric``."""
         if metric is None:
             return list(self._columns)
-        self._check_metric(metric)
+        metric = self._check_metric(metric)
         return [d for d, cols in self._columns.items() if metric in cols]
 
     def metrics(self, device: str | None = None) -> list[str]:
@@ -408,12 +487,15 @@ class Recording:
             present = set(self._columns[self._resolve(device)])
         return [m for _, fields in _SPECS.values() for _, m in fields if m in present]
 
-    def _check_metric(self, metric: str) -> None:
+    def _check_metric(self, metric: str) -> str:
+        """``metric`` (an AIPowerMeter name mapped to ours) if present, else ConfigError."""
+        metric = AIPOWERMETER_METRICS.get(metric, metric)
         if metric not in self.metrics():
             raise ConfigError(
                 f"unknown metric {metric!r} in {self.path}; available: "
                 f"{', '.join(self.metrics()) or 'none'}"
             )
+        return metric
 
     def _resolve(self, device: str, within: Collection[str] | None = None) -> str:
         keys = self._columns if within is None else within
@@ -433,7 +515,7 @@ class Recording:
         Raises:
             ConfigError: Unknown metric, or a device without values of it.
         """
-        self._check_metric(metric)
+        metric = self._check_metric(metric)
         key = self._resolve(device, self.devices(metric))
         column = self._columns[key][metric]
         return Series(metric, key, column.t.tolist(), column.v.tolist(), self.start_ns)
@@ -495,6 +577,12 @@ class Recording:
             if k.startswith("gpu:") and d.energy_j is not None
         )
         cpu, dram = domain_sum("package"), domain_sum("dram")
+        processes = self._process_totals()
+
+        def process_sum(values: list[float | None]) -> float | None:
+            known = [v for v in values if v is not None]
+            return sum(known) if known else None
+
         return Totals(
             devices=devices,
             gpu_energy_j=gpu,
@@ -502,7 +590,64 @@ class Recording:
             dram_energy_j=dram,
             total_energy_j=gpu + (cpu or 0.0) + (dram or 0.0),
             duration_s=self.duration_s,
+            processes=processes,
+            process_cpu_energy_j=process_sum([p.cpu_energy_j for p in processes.values()]),
+            process_dram_energy_j=process_sum([p.dram_energy_j for p in processes.values()]),
+            process_gpu_energy_j=process_sum(
+                [e for p in processes.values() for e in p.gpu_energy_j.values()]
+            ),
         )
+
+    def _counter_span(self, key: str, metric: str) -> tuple[float, int, int] | None:
+        """(last - first value, first t, last t) of a running-total column, if any."""
+        column = self._columns.get(key, {}).get(metric)
+        if column is None or not len(column.t):
+            return None
+        return column.v[-1] - column.v[0], column.t[0], column.t[-1]
+
+    def _process_totals(self) -> dict[str, ProcessTotal]:
+        found: dict[str, dict[str, Any]] = {}
+        for key in self._columns:
+            if not key.startswith("proc:"):
+                continue
+            base, _, host = key.partition("@")
+            pid_part, _, gpu_part = base.partition("/")
+            pid = pid_part.removeprefix("proc:") + (f"@{host}" if host else "")
+            entry = found.setdefault(
+                pid, {"cpu": None, "dram": None, "gpu": {}, "t0": None, "t1": None}
+            )
+            spans = []
+            if gpu_part:
+                got = self._counter_span(key, "proc.attributed_energy_j")
+                if got is not None:
+                    entry["gpu"][int(gpu_part.removeprefix("gpu:"))] = got[0]
+                    spans.append(got)
+            else:
+                for metric, slot in (("proc.cpu_energy_j", "cpu"), ("proc.dram_energy_j", "dram")):
+                    got = self._counter_span(key, metric)
+                    if got is not None:
+                        entry[slot] = got[0]
+                        spans.append(got)
+            for column in self._columns[key].values():
+                if len(column.t):
+                    spans.append((0.0, column.t[0], column.t[-1]))
+            for _, t0, t1 in spans:
+                entry["t0"] = t0 if entry["t0"] is None else min(entry["t0"], t0)
+                entry["t1"] = t1 if entry["t1"] is None else max(entry["t1"], t1)
+        out: dict[str, ProcessTotal] = {}
+        for pid, e in found.items():
+            if e["t0"] is None:
+                continue
+            out[pid] = ProcessTotal(
+                pid,
+                e["cpu"],
+                e["dram"],
+                dict(sorted(e["gpu"].items())),
+                e["t0"],
+                e["t1"],
+                (e["t1"] - e["t0"]) / 1e9,
+            )
+        return out
 
     def total(self, metric: str, device: str | None = None) -> float:
         """Joules of an energy or power metric over the whole recording, summed over devices.
@@ -524,7 +669,7 @@ class Recording:
         Raises:
             ConfigError: Unknown metric or device, or a metric that is neither energy nor power.
         """
-        self._check_metric(metric)
+        metric = self._check_metric(metric)
         if not (_energy_field(metric) or _power_field(metric)):
             raise ConfigError(
                 f"total() needs an energy (*energy_j) or power (*power_w) metric, not "

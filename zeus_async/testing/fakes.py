@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from ..clock import Clock, FakeClock
+from ..devices.processes import HostStat, ProcessStat
 from ..errors import DeviceError
 from ..events import DeviceInfo, Event, GpuSample
 
-__all__ = ["ScriptedGpu", "realistic_gpu_samples"]
+__all__ = ["FakeProcessSource", "ScriptedGpu", "realistic_gpu_samples"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,3 +112,45 @@ def realistic_gpu_samples(
         )
         for i in range(n)
     ]
+
+
+class FakeProcessSource:
+    """A scripted :class:`~zeus_async.devices.processes.ProcessSource` (no ``/proc``).
+
+    Tests set :attr:`host_stat`, :attr:`stats` (pid to :class:`ProcessStat`; a pid absent from
+    it does not exist) and :attr:`tree` (pid to its direct children) between ticks.
+    """
+
+    def __init__(
+        self,
+        host: HostStat | None = None,
+        stats: dict[int, ProcessStat] | None = None,
+        tree: dict[int, list[int]] | None = None,
+    ) -> None:
+        self.host_stat = host or HostStat(0.0, 4, 16 << 30, 8 << 30)
+        self.stats: dict[int, ProcessStat] = dict(stats or {})
+        self.tree: dict[int, list[int]] = dict(tree or {})
+        self.descendant_calls = 0
+        self.smaps_calls = 0
+        self.forgotten: list[int] = []
+
+    def host(self) -> HostStat:
+        return self.host_stat
+
+    def process(self, pid: int, smaps: bool = True) -> ProcessStat | None:
+        self.smaps_calls += smaps and pid in self.stats
+        return self.stats.get(pid)
+
+    def descendants(self, pid: int) -> list[int]:
+        self.descendant_calls += 1
+        out: list[int] = []
+        stack = list(self.tree.get(pid, ()))
+        while stack:
+            child = stack.pop(0)
+            if child in self.stats:
+                out.append(child)
+                stack.extend(self.tree.get(child, ()))
+        return out
+
+    def forget(self, pids: Iterable[int]) -> None:
+        self.forgotten.extend(pids)

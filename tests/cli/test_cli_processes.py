@@ -1,0 +1,106 @@
+"""CLI: tracking a command's processes, and the Prometheus exporter (real processes)."""
+
+from __future__ import annotations
+
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from cli_helpers import free_port, popen, run_cli
+from prometheus_client.parser import text_string_to_metric_families
+
+from zeus_async.events import ProcessSample
+from zeus_async.store import RecordingReader
+
+BURN = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass\nraise SystemExit(3)"
+
+
+def scrape(port: int, timeout: float = 20.0) -> dict[str, list[tuple[dict[str, str], float]]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                text = r.read().decode()
+            break
+        except (urllib.error.URLError, ConnectionError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+@pytest.mark.slow
+def test_monitor_runs_a_command_tracks_it_and_returns_its_exit_code(tmp_path: object) -> None:
+    path = f"{tmp_path}/run.zarc"
+    proc = run_cli(
+        "monitor", "--backend", "sim", "--cpus", "none", "--refresh", "0.3",
+        "--process-period", "0.25", "--record", path, "--", sys.executable, "-c", BURN,
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stderr  # the command's exit code
+    assert "running" in proc.stdout and "process" in proc.stdout
+    samples = [e for e in RecordingReader(path) if isinstance(e, ProcessSample)]
+    busy = [s.cpu_frac for s in samples if s.gpu is None and s.cpu_frac is not None]
+    assert busy and max(busy) > 0.2  # the command burns CPU (of 2 cores here: up to 0.5)
+
+
+@pytest.mark.slow
+def test_exporter_serves_sampled_metrics_and_a_monitor_stream() -> None:
+    port = free_port()
+    exporter = popen("exporter", "--backend", "sim", "--cpus", "none", "--port", str(port),
+                     "--period", "0.05", "--duration", "30", "--gpu-processes")  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            metrics = scrape(port)
+            if "zeus_process_gpu_power_watts" in metrics or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        gpus = {labels["gpu"] for labels, _ in metrics["zeus_gpu_power_watts"]}
+        assert gpus == {"0", "1", "2", "3"}
+        assert all(v > 0 for _, v in metrics["zeus_gpu_energy_joules_total"])
+        assert {lab["gpu"] for lab, _ in metrics["zeus_process_gpu_power_watts"]} == gpus
+    finally:
+        exporter.terminate()
+        exporter.wait(timeout=20)
+
+    # --connect: export the stream of a running monitor.
+    pub, port = free_port(), free_port()
+    monitor = popen("monitor", "--backend", "sim", "--cpus", "none", "--gpus", "0",
+                    "--publish", f"tcp://127.0.0.1:{pub}", "--duration", "30")  # fmt: skip
+    exporter = popen("exporter", "--connect", f"tcp://127.0.0.1:{pub}", "--port", str(port),
+                     "--duration", "30")  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while "zeus_gpu_power_watts" not in (metrics := scrape(port)):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert [lab["gpu"] for lab, _ in metrics["zeus_gpu_power_watts"]] == ["0"]
+    finally:
+        for p in (exporter, monitor):
+            p.terminate()
+            p.wait(timeout=20)
+
+
+def test_exporter_port_in_use_is_one_line() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = run_cli("exporter", "--backend", "sim", "--cpus", "none", "--port", str(port),
+                       "--duration", "1")  # fmt: skip
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(port) in lines[0], proc.stderr
+
+
+def test_bad_pid_is_a_usage_error() -> None:
+    proc = run_cli("monitor", "--pid", "-4")
+    assert proc.returncode == 2 and "process ids are positive" in proc.stderr

@@ -1,0 +1,261 @@
+"""CLI pieces for per-process metrics and Prometheus: shared options, the live process table,
+and the ``exporter`` command. Not a public interface."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+import anyio
+
+from ._cli_common import stop_on_signals, wait_for_publisher
+from .events import Event, ProcessSample
+
+logger = logging.getLogger(__name__)
+
+
+def _pid(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a process id, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"process ids are positive, got {text!r}")
+    return value
+
+
+def add_process_args(parser: argparse.ArgumentParser) -> None:
+    """``--pid``, ``--gpu-processes``, ``--process-period`` and a trailing ``-- COMMAND``."""
+    parser.add_argument(
+        "--pid",
+        dest="pids",
+        type=_pid,
+        action="append",
+        default=None,
+        help="track this process and its descendants (repeatable)",
+    )
+    parser.add_argument(
+        "--gpu-processes",
+        action="store_true",
+        help="track every process found on the sampled GPUs",
+    )
+    parser.add_argument(
+        "--process-period",
+        type=float,
+        default=1.0,
+        help="process metrics period in seconds (default 1)",
+    )
+    parser.add_argument(
+        "run",
+        nargs=argparse.REMAINDER,
+        metavar="-- COMMAND",
+        help="-- COMMAND [ARGS]: run COMMAND, track its processes, stop when it exits",
+    )
+
+
+def command_of(args: argparse.Namespace) -> list[str]:
+    """The trailing command (without the ``--`` separator), or ``[]``."""
+    command = list(args.run or [])
+    if command and command[0] == "--":
+        command = command[1:]
+    return command
+
+
+def tracking_from_args(args: argparse.Namespace, command_pid: int | None) -> Any:
+    """The :class:`~zeus_async.runtime.ProcessTracking` the options ask for, or ``None``."""
+    from .errors import ConfigError
+    from .runtime import ProcessTracking
+
+    if not args.process_period > 0:
+        raise ConfigError(f"--process-period must be positive, got {args.process_period}")
+    roots = list(args.pids or [])
+    if command_pid is not None:
+        roots.append(command_pid)
+    if not roots and not args.gpu_processes:
+        return None
+    if len(roots) == 1:
+        return ProcessTracking(
+            root=roots[0], gpu_all=args.gpu_processes, period_s=args.process_period
+        )
+    # Several roots: explicit pids (their descendants are not followed), or GPU processes only.
+    return ProcessTracking(
+        pids=tuple(roots) if roots else (),
+        gpu_all=args.gpu_processes,
+        period_s=args.process_period,
+        exclude=(os.getpid(),),
+    )
+
+
+def start_command(command: Sequence[str]) -> subprocess.Popen[bytes]:
+    """Start the tracked command (its output goes to this terminal)."""
+    try:
+        return subprocess.Popen(list(command))
+    except OSError as exc:
+        from .errors import ConfigError
+
+        raise ConfigError(f"cannot run {command[0]!r}: {exc}") from None
+
+
+class ProcessTable:
+    """Latest per-process figures from :class:`~zeus_async.events.ProcessSample` events."""
+
+    def __init__(self) -> None:
+        self.host_side: dict[int, ProcessSample] = {}
+        self.on_gpu: dict[tuple[int, int], ProcessSample] = {}
+
+    def add(self, event: Event) -> None:
+        if not isinstance(event, ProcessSample):
+            return
+        if event.gpu is None:
+            self.host_side[event.pid] = event
+        else:
+            self.on_gpu[(event.pid, event.gpu)] = event
+
+    def lines(self) -> list[str]:
+        """Rows: pid, CPU %, PSS, CPU W, GPU SM %, GPU W (attributed), energy so far."""
+        pids = sorted(set(self.host_side) | {pid for pid, _ in self.on_gpu})
+        if not pids:
+            return []
+        header = (
+            f"{'process':<16}{'CPU %':>8}{'PSS MiB':>10}{'CPU W':>9}{'DRAM W':>9}"
+            f"{'GPU SM %':>10}{'GPU W':>9}{'energy J':>12}"
+        )
+        out = [header, "-" * len(header)]
+        for pid in pids:
+            host = self.host_side.get(pid)
+            gpus = [s for (p, _), s in self.on_gpu.items() if p == pid]
+            cpu = None if host is None or host.cpu_frac is None else host.cpu_frac * 100
+            pss = None if host is None else (host.memory_pss_bytes or host.memory_rss_bytes)
+            sm = sum(s.gpu_sm_frac or 0.0 for s in gpus) * 100 if gpus else None
+            gpu_w = (
+                sum(s.attributed_power_w or 0.0 for s in gpus)
+                if any(s.attributed_power_w is not None for s in gpus)
+                else None
+            )
+            parts = [s.attributed_energy_j for s in gpus]
+            if host is not None:
+                parts += [host.cpu_energy_j, host.dram_energy_j]
+            known = [p for p in parts if p is not None]
+            energy = sum(known) if known else None
+            out.append(
+                f"{'pid ' + str(pid):<16}{_fmt(cpu):>8}{_fmt(pss, 2**20, 0):>10}"
+                f"{_fmt(None if host is None else host.cpu_power_w):>9}"
+                f"{_fmt(None if host is None else host.dram_power_w):>9}"
+                f"{_fmt(sm):>10}{_fmt(gpu_w):>9}{_fmt(energy, digits=2):>12}"
+            )
+        return out
+
+
+def _fmt(value: float | int | None, scale: float = 1.0, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    return f"{value / scale:.{digits}f}"
+
+
+# -- exporter -----------------------------------------------------------------------------------
+
+
+def add_exporter_parser(sub: Any, positive_float: Any, int_list: Any) -> None:
+    exp = sub.add_parser(
+        "exporter",
+        help="serve GPU, RAPL, process and window metrics to Prometheus",
+        description=(
+            "Serve metrics on http://ADDR:PORT/metrics. Samples this machine's devices, or, "
+            "with --connect, exports the streams of running publishers (monitors, proxies)."
+        ),
+    )
+    exp.add_argument("--port", type=int, default=9400, help="HTTP port (default 9400)")
+    exp.add_argument("--addr", default="127.0.0.1", help="bind address (0.0.0.0: all)")
+    exp.add_argument(
+        "--connect",
+        nargs="+",
+        metavar="ENDPOINT",
+        default=None,
+        help="export these ZeroMQ streams instead of sampling here",
+    )
+    exp.add_argument("--backend", choices=("auto", "nvml", "sim"), default="auto")
+    exp.add_argument("--gpus", type=int_list, default=None, help="GPU indices, e.g. 0,1")
+    exp.add_argument("--cpus", choices=("auto", "none"), default="auto", help="RAPL packages")
+    exp.add_argument("--period", type=positive_float, default=0.1, help="sampling period (s)")
+    exp.add_argument("--duration", type=positive_float, default=None, help="stop after S s")
+    exp.add_argument("--sim-config", default=None, help="simulator config: JSON text or file")
+    exp.add_argument(
+        "--wait", type=positive_float, default=10.0, help="--connect: give up after S s"
+    )
+    add_process_args(exp)
+
+
+async def run_exporter(args: argparse.Namespace, out: TextIO, sim_config: Any) -> int:
+    """``zeus-async exporter``: sample (or subscribe) and serve until stopped."""
+    if args.connect:
+        return await _export_streams(args, out)
+    from .runtime import Runtime
+
+    command = command_of(args)
+    child = start_command(command) if command else None
+    try:
+        tracking = tracking_from_args(args, child.pid if child else None)
+        async with Runtime(
+            backend=args.backend,
+            gpus=args.gpus,
+            cpus="auto" if args.cpus == "auto" else None,
+            period_s=args.period,
+            sim_config=sim_config,
+            processes=tracking,
+            prometheus_port=args.port,
+            prometheus_addr=args.addr,
+        ) as rt:
+            out.write(
+                f"zeus-async exporter: http://{args.addr}:{rt.prometheus_port}/metrics "
+                f"(backend {rt.backend}, {len(rt.devices)} device(s)"
+                f"{', tracking processes' if tracking else ''}). Ctrl-C to stop.\n"
+            )
+            out.flush()
+            return await _serve_until_done(args, child)
+    finally:
+        if child is not None and child.poll() is None:
+            child.terminate()
+            child.wait()
+
+
+async def _serve_until_done(args: argparse.Namespace, child: subprocess.Popen[bytes] | None) -> int:
+    code = 0
+    with anyio.CancelScope() as scope:
+        if args.duration is not None:
+            scope.deadline = anyio.current_time() + args.duration
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stop_on_signals, scope)
+            while True:
+                await anyio.sleep(0.2)
+                if child is not None and child.poll() is not None:
+                    code = child.returncode
+                    scope.cancel()
+    return code
+
+
+async def _export_streams(args: argparse.Namespace, out: TextIO) -> int:
+    from .bus import Subscriber
+    from .exporters.prometheus import PrometheusExporter
+
+    with PrometheusExporter() as exporter:
+        port = exporter.serve(args.port, args.addr)
+        async with Subscriber(args.connect, topics=[""]) as sub:
+            await wait_for_publisher(sub, args.connect, args.wait)
+            out.write(
+                f"zeus-async exporter: http://{args.addr}:{port}/metrics, exporting "
+                f"{' '.join(args.connect)}. Ctrl-C to stop.\n"
+            )
+            out.flush()
+            with anyio.CancelScope() as scope:
+                if args.duration is not None:
+                    scope.deadline = anyio.current_time() + args.duration
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(stop_on_signals, scope)
+                    async for event in sub:
+                        exporter.add((event,))
+                    tg.cancel_scope.cancel()
+    return 0

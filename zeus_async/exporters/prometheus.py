@@ -1,0 +1,731 @@
+"""Prometheus exporter: the latest value of every measurement, served for scraping.
+
+:class:`PrometheusExporter` is a runtime consumer (``rt.start_consumer(exporter.run,
+batched=True)``) that keeps, in plain dicts, the latest value of every field of every device and
+tracked process, and exposes it as a prometheus_client *custom collector*: metric families are
+built from those dicts when Prometheus scrapes, never per event (updating ``Gauge`` objects at
+100 Hz x many GPUs would cost more than sampling).
+
+Metrics (prefix ``zeus_``, Prometheus base units, ``_total`` on counters; every series carries
+``host``):
+
+* GPUs (labels ``host``, ``gpu``): ``zeus_gpu_power_watts``, ``zeus_gpu_average_power_watts``,
+  ``zeus_gpu_energy_joules_total``, ``zeus_gpu_temperature_celsius``,
+  ``zeus_gpu_sm_clock_hertz``, ``zeus_gpu_utilization_ratio``, ``zeus_gpu_memory_used_bytes``,
+  ``zeus_gpu_power_limit_watts``.
+* RAPL (labels ``host``, ``package``, ``domain``): ``zeus_rapl_power_watts``,
+  ``zeus_rapl_energy_joules_total``.
+* Tracked processes on the host (labels ``host``, ``pid``): ``zeus_process_cpu_ratio``,
+  ``zeus_process_cpu_share_ratio``, ``zeus_process_memory_bytes`` (plus ``kind`` = ``rss``,
+  ``pss`` or ``uss``), ``zeus_process_memory_ratio``, ``zeus_process_cpu_power_watts``,
+  ``zeus_process_cpu_energy_joules_total``, ``zeus_process_dram_power_watts``,
+  ``zeus_process_dram_energy_joules_total``.
+* Tracked processes on a GPU (labels ``host``, ``pid``, ``gpu``): ``zeus_process_gpu_sm_ratio``,
+  ``zeus_process_gpu_memory_bytes``, ``zeus_process_gpu_sm_share_ratio``,
+  ``zeus_process_gpu_memory_share_ratio``, ``zeus_process_gpu_power_share_ratio``,
+  ``zeus_process_gpu_power_watts``, ``zeus_process_gpu_energy_joules_total``.
+* Measurement windows (labels ``host``, ``window``; ``device`` = ``gpu:0``, ``cpu:0``,
+  ``dram:0`` on energies): ``zeus_window_last_energy_joules`` (latest window),
+  ``zeus_window_duration_seconds`` (latest window), ``zeus_window_energy_joules_total`` (all
+  windows of that name), ``zeus_windows_total`` (windows finished).
+
+A field a device never reported is not exported, and a sample whose field is ``None`` leaves
+the last known value in place. Process series whose last sample is older than ``stale_after_s``
+(in event time, against the newest event of the same host) are dropped at the next scrape.
+
+Scrapes are fast: with the exporter's own registry, :meth:`PrometheusExporter.render` and the
+HTTP server write the text format straight from a snapshot of the dicts, with the label part of
+every series rendered once when the series appears; the output is byte for byte what
+``prometheus_client.generate_latest`` writes for the same collector, about 9x faster
+(``bench/bench_exporter.py``: 3,454 series, 8 GPUs x 50 pids, render in ~3 ms).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from operator import attrgetter
+from socketserver import ThreadingMixIn
+from types import TracebackType
+from typing import Any, Final, NamedTuple
+from urllib.parse import parse_qs
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import anyio.abc
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, make_wsgi_app
+from prometheus_client.metrics_core import Metric
+from prometheus_client.samples import Sample
+
+from ..devices.base import GPU_FIELDS
+from ..errors import ConfigError
+from ..events import Event, GpuSample, Measurement, ProcessSample, RaplSample
+from ..runtime.hub import EventBatches
+
+__all__ = ["PrometheusExporter"]
+
+logger = logging.getLogger(__name__)
+
+_INF: Final = float("inf")
+
+# -- metric families ------------------------------------------------------------------------------
+
+
+class _Family(NamedTuple):
+    """One metric family: where its values come from in a table's rows.
+
+    ``parts`` lists ``(value index, label variant)`` pairs: each row contributes one sample per
+    part whose value is known (``zeus_process_memory_bytes`` has three parts, one per ``kind``).
+    """
+
+    name: str  # name of the samples (``..._total`` for counters)
+    family: str  # name of the family (counters without ``_total``, as prometheus_client has it)
+    kind: str  # "gauge" or "counter"
+    unit: str  # OpenMetrics unit ("" when none)
+    help: str
+    parts: tuple[tuple[int, int], ...]
+    header: str  # the "# HELP" and "# TYPE" lines of the text format
+
+
+def _family(name: str, kind: str, unit: str, help: str, *parts: tuple[int, int]) -> _Family:
+    family = name.removesuffix("_total") if kind == "counter" else name
+    doc = help.replace("\\", r"\\").replace("\n", r"\n")
+    header = f"# HELP {name} {doc}\n# TYPE {name} {kind}\n"
+    return _Family(name, family, kind, unit, help, parts, header)
+
+
+def _gauge(name: str, unit: str, help: str, index: int) -> _Family:
+    return _family(name, "gauge", unit, help, (index, 0))
+
+
+def _counter(name: str, unit: str, help: str, index: int) -> _Family:
+    return _family(name, "counter", unit, help, (index, 0))
+
+
+_GPU_FIELDS: Final = GPU_FIELDS  # the family order below follows it
+_GPU_FAMILIES: Final = (
+    _gauge("zeus_gpu_power_watts", "watts", "GPU power draw (NVML instant power), in watts.", 0),
+    _gauge(
+        "zeus_gpu_average_power_watts",
+        "watts",
+        "GPU power averaged by the driver (about 1 s), in watts.",
+        1,
+    ),
+    _counter(
+        "zeus_gpu_energy_joules_total",
+        "joules",
+        "GPU energy counter (since the driver loaded), in joules.",
+        2,
+    ),
+    _gauge("zeus_gpu_temperature_celsius", "celsius", "GPU core temperature, in celsius.", 3),
+    _gauge("zeus_gpu_sm_clock_hertz", "hertz", "GPU SM clock, in hertz.", 4),
+    _gauge(
+        "zeus_gpu_utilization_ratio",
+        "ratio",
+        "GPU utilization: fraction of time a kernel ran, ratio 0..1.",
+        5,
+    ),
+    _gauge("zeus_gpu_memory_used_bytes", "bytes", "GPU memory in use, in bytes.", 6),
+    _gauge("zeus_gpu_power_limit_watts", "watts", "GPU power limit in force, in watts.", 7),
+)
+
+_RAPL_FIELDS: Final = ("power_w", "energy_j")
+_RAPL_FAMILIES: Final = (
+    _gauge(
+        "zeus_rapl_power_watts",
+        "watts",
+        "RAPL domain power: mean since the previous sample, in watts.",
+        0,
+    ),
+    _counter(
+        "zeus_rapl_energy_joules_total",
+        "joules",
+        "RAPL domain energy since the sampler started, in joules.",
+        1,
+    ),
+)
+
+_PROC_FIELDS: Final = (
+    "cpu_frac",
+    "cpu_share_frac",
+    "memory_rss_bytes",
+    "memory_pss_bytes",
+    "memory_uss_bytes",
+    "memory_frac",
+    "cpu_power_w",
+    "cpu_energy_j",
+    "dram_power_w",
+    "dram_energy_j",
+)
+#: Label variants of host-side process rows: 0 = (host, pid), then one per memory ``kind``.
+_MEMORY_KINDS: Final = ("rss", "pss", "uss")
+_PROC_FAMILIES: Final = (
+    _gauge(
+        "zeus_process_cpu_ratio",
+        "ratio",
+        "Process CPU time over wall time x logical CPUs (share of the machine), ratio 0..1.",
+        0,
+    ),
+    _gauge(
+        "zeus_process_cpu_share_ratio",
+        "ratio",
+        "Process CPU time over the CPU time used by the whole machine, ratio 0..1.",
+        1,
+    ),
+    _family(
+        "zeus_process_memory_bytes",
+        "gauge",
+        "bytes",
+        "Process memory by kind (rss: resident, pss: proportional, uss: unique set size), "
+        "in bytes.",
+        (2, 1),
+        (3, 2),
+        (4, 3),
+    ),
+    _gauge(
+        "zeus_process_memory_ratio",
+        "ratio",
+        "Process PSS (RSS when PSS is unknown) over physical memory, ratio 0..1.",
+        5,
+    ),
+    _gauge(
+        "zeus_process_cpu_power_watts",
+        "watts",
+        "RAPL package power attributed to the process by CPU share, in watts.",
+        6,
+    ),
+    _counter(
+        "zeus_process_cpu_energy_joules_total",
+        "joules",
+        "RAPL package energy attributed to the process since it was first sampled, in joules.",
+        7,
+    ),
+    _gauge(
+        "zeus_process_dram_power_watts",
+        "watts",
+        "RAPL DRAM power attributed to the process by memory share, in watts.",
+        8,
+    ),
+    _counter(
+        "zeus_process_dram_energy_joules_total",
+        "joules",
+        "RAPL DRAM energy attributed to the process since it was first sampled, in joules.",
+        9,
+    ),
+)
+
+_PROC_GPU_FIELDS: Final = (
+    "gpu_sm_frac",
+    "gpu_memory_bytes",
+    "gpu_sm_share_frac",
+    "gpu_memory_share_frac",
+    "gpu_power_share_frac",
+    "attributed_power_w",
+    "attributed_energy_j",
+)
+_PROC_GPU_FAMILIES: Final = (
+    _gauge(
+        "zeus_process_gpu_sm_ratio",
+        "ratio",
+        "SM utilization of the process on the GPU (NVML process samples), ratio 0..1.",
+        0,
+    ),
+    _gauge(
+        "zeus_process_gpu_memory_bytes", "bytes", "GPU memory held by the process, in bytes.", 1
+    ),
+    _gauge(
+        "zeus_process_gpu_sm_share_ratio",
+        "ratio",
+        "Process SM utilization over that of all tracked processes on the GPU, ratio 0..1.",
+        2,
+    ),
+    _gauge(
+        "zeus_process_gpu_memory_share_ratio",
+        "ratio",
+        "Process GPU memory over that of all tracked processes on the GPU, ratio 0..1.",
+        3,
+    ),
+    _gauge(
+        "zeus_process_gpu_power_share_ratio",
+        "ratio",
+        "Share of the GPU power attributed to the process, ratio 0..1.",
+        4,
+    ),
+    _gauge(
+        "zeus_process_gpu_power_watts",
+        "watts",
+        "GPU power attributed to the process, in watts.",
+        5,
+    ),
+    _counter(
+        "zeus_process_gpu_energy_joules_total",
+        "joules",
+        "GPU energy attributed to the process since it was first sampled there, in joules.",
+        6,
+    ),
+)
+
+_WINDOW_FAMILIES: Final = (
+    _gauge(
+        "zeus_window_duration_seconds",
+        "seconds",
+        "Duration of the latest finished window of this name, in seconds.",
+        0,
+    ),
+    _counter("zeus_windows_total", "", "Finished measurement windows of this name.", 1),
+)
+_WINDOW_DEVICE_FAMILIES: Final = (
+    _gauge(
+        "zeus_window_last_energy_joules",
+        "joules",
+        "Energy of a device in the latest finished window of this name, in joules.",
+        0,
+    ),
+    _counter(
+        "zeus_window_energy_joules_total",
+        "joules",
+        "Energy of a device summed over every finished window of this name, in joules.",
+        1,
+    ),
+)
+
+_gpu_values = attrgetter(*_GPU_FIELDS)
+_proc_values = attrgetter(*_PROC_FIELDS)
+_proc_gpu_values = attrgetter(*_PROC_GPU_FIELDS)
+
+
+# -- state --------------------------------------------------------------------------------------
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def _labels(*variants: dict[str, str]) -> tuple[tuple[dict[str, str], ...], tuple[str, ...]]:
+    """Label dicts and their text form (``a="1",b="2"``: sorted, escaped, as generate_latest)."""
+    texts = tuple(
+        ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items())) for labels in variants
+    )
+    return variants, texts
+
+
+class _Row:
+    """One series group: the latest values of a label set's fields, and its label texts.
+
+    Attributes:
+        labels: Label dicts, one per variant (shared by the samples of every scrape).
+        texts: The same labels in text form (``host="h",pid="1"``), one per variant.
+        values: Latest value of each field (``None`` while never seen).
+        t_ns: Event time of the latest update.
+    """
+
+    __slots__ = ("labels", "t_ns", "texts", "values")
+
+    def __init__(
+        self,
+        labels: tuple[tuple[dict[str, str], ...], tuple[str, ...]],
+        size: int,
+        t_ns: int,
+    ) -> None:
+        self.labels, self.texts = labels
+        self.values: list[float | None] = [None] * size
+        self.t_ns = t_ns
+
+
+_Snapshot = list[tuple[tuple[_Family, ...], list[tuple[_Row, list[float | None]]]]]
+
+
+def _go_float(value: float) -> str:
+    """A float as the Prometheus text format writes it (``prometheus_client.utils``' rules)."""
+    d = float(value)
+    if -_INF < d < 1e6:  # the common case: Python's repr is Go's
+        return repr(d)
+    if d != d:
+        return "NaN"
+    if d == _INF:
+        return "+Inf"
+    if d == -_INF:
+        return "-Inf"
+    s = repr(d)
+    dot = s.find(".")
+    if dot > 6:  # Go switches to exponents sooner than Python: 1234567.0 is 1.234567e+06
+        mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1 :]}".rstrip("0.")
+        return f"{mantissa}e+{dot - 1:02d}"
+    return s
+
+
+class PrometheusExporter:
+    """Keeps the latest value of every metric from events and serves them to Prometheus.
+
+    A prometheus_client custom collector (:meth:`collect`, :meth:`describe`) registered in its
+    own :class:`~prometheus_client.CollectorRegistry` (only this collector), or in
+    ``registry`` when given. Events are fed with :meth:`add` (a batch) or :meth:`run` (a runtime
+    consumer); scrapes read a snapshot, so events (on the event loop) and scrapes (on the HTTP
+    server's threads) only meet on a lock taken once per batch and once per scrape.
+
+    Args:
+        stale_after_s: Drop a process series (a pid, or a (pid, GPU) pair) whose last sample is
+            older than this, in event time, than the newest event of its host. Seconds.
+        registry: Register in this registry instead of a private one. The fast text path
+            (:meth:`render`, :meth:`serve`) then leaves formatting to prometheus_client, since
+            the registry may hold other collectors.
+
+    Raises:
+        ConfigError: ``stale_after_s`` is not positive.
+
+    Example::
+
+        exporter = PrometheusExporter()
+        port = exporter.serve(9400)
+        async with Runtime() as rt:
+            rt.start_consumer(exporter.run, batched=True)
+            ...
+        exporter.close()
+    """
+
+    def __init__(
+        self, *, stale_after_s: float = 30.0, registry: CollectorRegistry | None = None
+    ) -> None:
+        if not stale_after_s > 0:
+            raise ConfigError(f"stale_after_s must be positive, got {stale_after_s!r}")
+        self.stale_after_s = stale_after_s
+        self._stale_ns = round(stale_after_s * 1e9)
+        self._lock = threading.Lock()
+        self._gpus: dict[tuple[str, int], _Row] = {}
+        self._rapl: dict[tuple[str, int, str], _Row] = {}
+        self._procs: dict[tuple[str, int], _Row] = {}
+        self._proc_gpus: dict[tuple[str, int, int], _Row] = {}
+        self._windows: dict[tuple[str, str], _Row] = {}
+        self._window_devices: dict[tuple[str, str, str], _Row] = {}
+        self._tables: tuple[tuple[dict[Any, _Row], tuple[_Family, ...]], ...] = (
+            (self._gpus, _GPU_FAMILIES),
+            (self._rapl, _RAPL_FAMILIES),
+            (self._procs, _PROC_FAMILIES),
+            (self._proc_gpus, _PROC_GPU_FAMILIES),
+            (self._window_devices, _WINDOW_DEVICE_FAMILIES),
+            (self._windows, _WINDOW_FAMILIES),
+        )
+        self._own_registry = registry is None
+        self.registry: CollectorRegistry = registry if registry is not None else CollectorRegistry()
+        self.registry.register(self)
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+        #: Events handled by :meth:`add` (of every kind, exported or not).
+        self.events = 0
+        #: Process series dropped as stale so far.
+        self.evicted = 0
+
+    # -- feeding ---------------------------------------------------------------------------------
+
+    def add(self, events: Iterable[Event]) -> None:
+        """Take a batch of events: update the latest values (other event kinds are ignored)."""
+        n = 0
+        with self._lock:
+            gpus = self._gpus
+            for e in events:
+                n += 1
+                if type(e) is GpuSample:
+                    row = gpus.get((e.host, e.gpu))
+                    if row is None:
+                        row = self._new_gpu(e)
+                    row.t_ns = e.t_ns
+                    vals = row.values
+                    for i, v in enumerate(_gpu_values(e)):
+                        if v is not None:
+                            vals[i] = v
+                elif type(e) is ProcessSample:
+                    self._add_process(e)
+                elif type(e) is RaplSample:
+                    self._add_rapl(e)
+                elif type(e) is Measurement:
+                    self._add_measurement(e)
+            self.events += n
+
+    async def run(self, stream: EventBatches | anyio.abc.ObjectReceiveStream[Event]) -> None:
+        """Consume ``stream`` until it ends (a :class:`~zeus_async.runtime.Runtime` consumer).
+
+        ``stream`` is an :class:`~zeus_async.runtime.hub.EventBatches`
+        (``rt.start_consumer(exporter.run, batched=True)``, one lock round per batch) or a plain
+        event stream (``rt.start_consumer(exporter.run)``).
+        """
+        if isinstance(stream, EventBatches):
+            async for batch in stream:
+                self.add(batch)
+        else:
+            async for event in stream:
+                self.add((event,))
+
+    def _new_gpu(self, e: GpuSample) -> _Row:
+        labels = _labels({"host": e.host, "gpu": str(e.gpu)})
+        row = self._gpus[(e.host, e.gpu)] = _Row(labels, len(_GPU_FIELDS), e.t_ns)
+        return row
+
+    def _add_rapl(self, e: RaplSample) -> None:
+        key = (e.host, e.package, e.domain)
+        row = self._rapl.get(key)
+        if row is None:
+            labels = _labels({"host": e.host, "package": str(e.package), "domain": e.domain})
+            row = self._rapl[key] = _Row(labels, len(_RAPL_FIELDS), e.t_ns)
+        row.t_ns = e.t_ns
+        if e.power_w is not None:
+            row.values[0] = e.power_w
+        row.values[1] = e.energy_j
+
+    def _add_process(self, e: ProcessSample) -> None:
+        if e.gpu is None:
+            key: Any = (e.host, e.pid)
+            table: dict[Any, _Row] = self._procs
+            getter = _proc_values
+        else:
+            key = (e.host, e.pid, e.gpu)
+            table = self._proc_gpus
+            getter = _proc_gpu_values
+        row = table.get(key)
+        if row is None:
+            base = {"host": e.host, "pid": str(e.pid)}
+            if e.gpu is None:
+                labels = _labels(base, *({**base, "kind": k} for k in _MEMORY_KINDS))
+                row = _Row(labels, len(_PROC_FIELDS), e.t_ns)
+            else:
+                row = _Row(_labels({**base, "gpu": str(e.gpu)}), len(_PROC_GPU_FIELDS), e.t_ns)
+            table[key] = row
+        row.t_ns = e.t_ns
+        vals = row.values
+        for i, v in enumerate(getter(e)):
+            if v is not None:
+                vals[i] = v
+
+    def _add_measurement(self, e: Measurement) -> None:
+        key = (e.host, e.name)
+        row = self._windows.get(key)
+        if row is None:
+            row = _Row(_labels({"host": e.host, "window": e.name}), 2, e.t_ns)
+            self._windows[key] = row
+        row.t_ns = e.t_ns
+        row.values[0] = e.time_s
+        row.values[1] = (row.values[1] or 0) + 1
+        for prefix, energies in (
+            ("gpu", e.gpu_energy_j),
+            ("cpu", e.cpu_energy_j),
+            ("dram", e.dram_energy_j),
+        ):
+            for index, joules in (energies or {}).items():
+                device = f"{prefix}:{index}"
+                dkey = (e.host, e.name, device)
+                drow = self._window_devices.get(dkey)
+                if drow is None:
+                    labels = _labels({"host": e.host, "window": e.name, "device": device})
+                    drow = self._window_devices[dkey] = _Row(labels, 2, e.t_ns)
+                drow.t_ns = e.t_ns
+                drow.values[0] = joules
+                drow.values[1] = (drow.values[1] or 0.0) + joules
+
+    # -- scraping --------------------------------------------------------------------------------
+
+    def _evict_stale(self) -> None:
+        """Drop process rows older than ``stale_after_s`` than their host's newest event."""
+        newest: dict[str, int] = {}
+        for table, _ in self._tables:
+            for row in table.values():
+                host = row.labels[0]["host"]
+                latest = newest.get(host)
+                if latest is None or row.t_ns > latest:
+                    newest[host] = row.t_ns
+        stale_ns = self._stale_ns
+        tables: tuple[dict[Any, _Row], ...] = (self._procs, self._proc_gpus)
+        for procs in tables:
+            stale = [k for k, row in procs.items() if newest[k[0]] - row.t_ns > stale_ns]
+            for k in stale:
+                del procs[k]
+            if stale:
+                self.evicted += len(stale)
+                logger.debug("dropped %d stale process series", len(stale))
+
+    def _snapshot(self) -> _Snapshot:
+        """Evict stale processes and copy every row's values: the only work under the lock."""
+        with self._lock:
+            if self._procs or self._proc_gpus:
+                self._evict_stale()
+            return [
+                (families, [(row, row.values.copy()) for row in table.values()])
+                for table, families in self._tables
+            ]
+
+    def describe(self) -> list[Metric]:
+        """Every family this collector may yield, without samples.
+
+        A registry calls this instead of :meth:`collect` when the collector is registered: it
+        learns the names (to detect clashes with other collectors and to answer ``name[]``
+        filtered scrapes) without a scrape.
+        """
+        return [
+            Metric(fam.family, fam.help, fam.kind, fam.unit)
+            for _, families in self._tables
+            for fam in families
+        ]
+
+    def collect(self) -> Iterator[Metric]:
+        """The metric families for prometheus_client (families with no sample are left out)."""
+        new = tuple.__new__
+        for families, rows in self._snapshot():
+            for fam in families:
+                name = fam.name
+                samples = [
+                    new(Sample, (name, row.labels[variant], value, None, None, None))
+                    for row, values in rows
+                    for index, variant in fam.parts
+                    if (value := values[index]) is not None
+                ]
+                if samples:
+                    metric = Metric(fam.family, fam.help, fam.kind, fam.unit)
+                    metric.samples = samples
+                    yield metric
+
+    def render(self) -> bytes:
+        """The text exposition format (version 0.0.4) of this exporter's registry.
+
+        With the private registry it is written directly from a snapshot, identical to (and
+        several times faster than) ``prometheus_client.generate_latest(exporter.registry)``;
+        with a registry given to the constructor it *is* ``generate_latest(registry)``.
+        """
+        if not self._own_registry:
+            return generate_latest(self.registry)
+        fmt = _go_float
+        out: list[str] = []
+        for families, rows in self._snapshot():
+            for fam in families:
+                pre = fam.name + "{"
+                lines = [
+                    f"{pre}{row.texts[variant]}}} {fmt(value)}\n"
+                    for row, values in rows
+                    for index, variant in fam.parts
+                    if (value := values[index]) is not None
+                ]
+                if lines:
+                    out.append(fam.header)
+                    out.append("".join(lines))
+        return "".join(out).encode()
+
+    # -- serving ---------------------------------------------------------------------------------
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Serve ``/metrics`` over HTTP from a daemon thread; returns the port bound.
+
+        Every path answers a GET with the metrics (as prometheus_client's server does). With
+        the private registry the body is :meth:`render` in the text format 0.0.4, uncompressed
+        whatever the request's ``Accept`` headers ask (Prometheus takes it); requests with a
+        ``name[]`` filter, and every request when a registry was given, are answered by
+        prometheus_client's own WSGI app (content negotiation, OpenMetrics, gzip).
+
+        Args:
+            port: TCP port; ``0`` picks a free one (see the return value).
+            addr: Address to bind (``"0.0.0.0"`` or ``"::"`` for every interface).
+
+        Raises:
+            ConfigError: The port is in use or out of range, or the address cannot be bound.
+            RuntimeError: Already serving.
+        """
+        if self._server is not None:
+            raise RuntimeError(f"already serving on port {self.port}")
+        if not 0 <= port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, got {port!r}")
+        try:
+            family, host = _best_family(addr, port)
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {addr!r}: {exc}") from None
+
+        class Server(_Server):
+            address_family = family
+
+        app = self._wsgi_app()
+        try:
+            server = make_server(host, port, app, Server, handler_class=_QuietHandler)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot serve metrics on {addr}:{port}: "
+                + (
+                    "port already in use"
+                    if exc.errno == errno.EADDRINUSE
+                    else (exc.strerror or str(exc))
+                )
+            ) from None
+        thread = threading.Thread(
+            target=server.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name=f"zeus-prometheus-{server.server_port}",
+            daemon=True,
+        )
+        thread.start()
+        self._server, self._thread = server, thread
+        bound = int(server.server_port)
+        logger.info("serving Prometheus metrics on http://%s:%d/metrics", addr, bound)
+        return bound
+
+    @property
+    def port(self) -> int | None:
+        """The port being served, or ``None`` when not serving."""
+        return None if self._server is None else int(self._server.server_port)
+
+    def _wsgi_app(self) -> Callable[[dict[str, Any], Callable[..., Any]], list[bytes]]:
+        fallback = make_wsgi_app(self.registry)
+        fast = self._own_registry
+        headers = [("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)]
+
+        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+            if (
+                not fast
+                or environ["REQUEST_METHOD"] != "GET"
+                or environ.get("PATH_INFO") == "/favicon.ico"
+                or "name[]" in parse_qs(environ.get("QUERY_STRING", ""))
+            ):
+                body: list[bytes] = fallback(environ, start_response)
+                return body
+            data = self.render()
+            start_response("200 OK", [*headers, ("Content-Length", str(len(data)))])
+            return [data]
+
+        return app
+
+    def close(self) -> None:
+        """Stop the HTTP server, if any (idempotent); the collected values are kept."""
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if thread is not None:
+            thread.join(timeout=5.0)
+
+    def __enter__(self) -> PrometheusExporter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    """Thread-per-request WSGI server (like prometheus_client's), daemon request threads."""
+
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """Does not log requests."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _best_family(addr: str, port: int) -> tuple[socket.AddressFamily, str]:
+    """The address family to bind ``addr`` with (IPv6 for ``::``), and the address to bind."""
+    infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, sockaddr = infos[0]
+    return family, str(sockaddr[0])
