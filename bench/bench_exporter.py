@@ -1,0 +1,209 @@
+"""Prometheus exporter: scrape cost with 8 GPUs x 50 tracked pids, and the cost of add().
+
+Feeds a :class:`PrometheusExporter` the latest state of a busy node: GPU samples (every field)
+for 8 GPUs, RAPL samples for 2 packages x 3 domains, host-side process samples for 50 pids
+(every field), per-GPU process samples for every (pid, GPU) pair (400: the worst case) and a
+few finished windows. Then times a scrape three ways: ``render()`` (the exporter's own text
+writer), ``generate_latest(registry)`` (prometheus_client formatting the same collector, for
+comparison) and a real HTTP GET of ``/metrics`` from ``serve()`` with urllib. Also times
+``add()`` for one batch of 8 GPU samples and for one period of process samples.
+
+Run: ``.venv/bin/python bench/bench_exporter.py [--repeat N] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import generate_latest
+
+from zeus_async.events import Event, GpuSample, Measurement, ProcessSample, RaplSample
+from zeus_async.exporters import PrometheusExporter
+
+HOST = "node1"
+T0 = 1_763_000_000_000_000_000
+GPUS = 8
+PIDS = 50
+TARGET_MS = 10.0
+
+
+def gpu_samples(t_ns: int) -> list[Event]:
+    return [
+        GpuSample(
+            HOST,
+            t_ns,
+            g,
+            power_w=312.5 + g,
+            avg_power_w=305.25 + g,
+            energy_j=1.5e6 + 1000.0 * g,
+            temperature_c=61.0,
+            sm_clock_hz=1.98e9,
+            utilization_frac=0.97,
+            memory_used_bytes=72_000_000_000 + g,
+            power_limit_w=700.0,
+        )
+        for g in range(GPUS)
+    ]
+
+
+def process_samples(t_ns: int) -> list[Event]:
+    events: list[Event] = []
+    for i in range(PIDS):
+        pid = 10_000 + i
+        events.append(
+            ProcessSample(
+                HOST,
+                t_ns,
+                pid,
+                cpu_frac=0.0125,
+                memory_rss_bytes=2_000_000_000 + i,
+                memory_pss_bytes=1_900_000_000 + i,
+                memory_uss_bytes=1_800_000_000 + i,
+                memory_frac=0.0078,
+                cpu_share_frac=0.02,
+                cpu_power_w=3.5,
+                cpu_energy_j=1234.5 + i,
+                dram_power_w=0.75,
+                dram_energy_j=321.25 + i,
+            )
+        )
+        for g in range(GPUS):
+            events.append(
+                ProcessSample(
+                    HOST,
+                    t_ns,
+                    pid,
+                    gpu=g,
+                    gpu_sm_frac=0.02,
+                    gpu_memory_bytes=1_400_000_000,
+                    attributed_power_w=6.25,
+                    gpu_sm_share_frac=0.02,
+                    gpu_memory_share_frac=0.02,
+                    gpu_power_share_frac=0.02,
+                    attributed_energy_j=4321.5 + i,
+                )
+            )
+    return events
+
+
+def other_samples(t_ns: int) -> list[Event]:
+    events: list[Event] = [
+        RaplSample(HOST, t_ns, p, d, energy_j=98_765.5 + p, power_w=120.5)
+        for p in range(2)
+        for d in ("package", "core", "dram")
+    ]
+    for k, name in enumerate(("train_step", "eval", "epoch")):
+        events.append(
+            Measurement(
+                HOST,
+                t_ns,
+                name,
+                k,
+                t_ns - 1_000_000_000,
+                t_ns,
+                1.0,
+                gpu_energy_j={g: 300.0 + g for g in range(GPUS)},
+                cpu_energy_j={0: 120.0, 1: 118.0},
+                dram_energy_j={0: 20.0, 1: 19.0},
+            )
+        )
+    return events
+
+
+def timings_ms(repeat: int, fn: Callable[[], object]) -> list[float]:
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=200, help="scrapes timed per case")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    exporter = PrometheusExporter()
+    exporter.add(gpu_samples(T0) + other_samples(T0) + process_samples(T0))
+    body = exporter.render()
+    series = sum(1 for line in body.splitlines() if not line.startswith(b"#"))
+    assert body == generate_latest(exporter.registry), "render() differs from prometheus_client"
+    out: dict[str, Any] = {"repeat": args.repeat, "series": series, "bytes": len(body)}
+
+    port = exporter.serve(0)
+    url = f"http://127.0.0.1:{port}/metrics"
+
+    def http_get() -> None:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            assert len(resp.read()) == len(body)
+
+    cases: list[tuple[str, str, Callable[[], object]]] = [
+        ("render() (exporter's text writer)", "render", exporter.render),
+        ("HTTP GET /metrics via serve() (urllib)", "http", http_get),
+        (
+            "generate_latest(registry) (prometheus_client's writer, for comparison)",
+            "generate_latest",
+            lambda: generate_latest(exporter.registry),
+        ),
+        (
+            "collect() alone (families for prometheus_client)",
+            "collect",
+            lambda: list(exporter.collect()),
+        ),
+    ]
+    try:
+        for _, key, fn in cases:
+            fn()  # warm up
+            runs = timings_ms(args.repeat, fn)
+            out[key] = {"median_ms": statistics.median(runs), "best_ms": min(runs)}
+    finally:
+        exporter.close()
+
+    # add(): one batch of 8 GPU samples (one 100 Hz tick), and one period of process samples.
+    batch = gpu_samples(T0 + 10_000_000)
+    procs = process_samples(T0 + 10_000_000)
+    loops = 20_000
+    t0 = time.perf_counter()
+    for _ in range(loops):
+        exporter.add(batch)
+    out["add_gpu_us_per_event"] = (time.perf_counter() - t0) / (loops * len(batch)) * 1e6
+    t0 = time.perf_counter()
+    for _ in range(200):
+        exporter.add(procs)
+    out["add_process_us_per_event"] = (time.perf_counter() - t0) / (200 * len(procs)) * 1e6
+
+    print(
+        f"\n### Prometheus exporter scrape ({GPUS} GPUs x {PIDS} pids, {series:,} series, "
+        f"{len(body) / 1e3:.0f} kB, {args.repeat} runs)\n"
+    )
+    print("| case | series exported | median ms | best ms | target ms | pass |")
+    print("|---|---:|---:|---:|---:|---|")
+    for name, key, _ in cases:
+        r = out[key]
+        target = TARGET_MS if key in ("render", "http") else None
+        verdict = "-" if target is None else ("yes" if r["median_ms"] <= target else "NO")
+        print(
+            f"| {name} | {series:,} | {r['median_ms']:.2f} | {r['best_ms']:.2f} | "
+            f"{'-' if target is None else f'{target:.0f}'} | {verdict} |"
+        )
+    print(
+        f"\nadd(): {out['add_gpu_us_per_event']:.2f} µs/event for a batch of {len(batch)} GPU "
+        f"samples (all fields); {out['add_process_us_per_event']:.2f} µs/event for a batch of "
+        f"{len(procs)} process samples"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
