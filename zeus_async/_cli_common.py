@@ -35,3 +35,10 @@ async def wait_for_publisher(sub: Subscriber, endpoints: Sequence[str], timeout:
         raise ConfigError(
             f"no publisher answered at {', '.join(endpoints)} within {timeout:g} s"
         ) from None
+
+
+def fmt_cell(value: float | int | None, scale: float = 1.0, digits: int = 1) -> str:
+    """A table cell: ``value / scale`` with ``digits`` decimals, ``-`` when unknown."""
+    if value is None:
+        return "-"
+    return f"{value / scale:.{digits}f}"

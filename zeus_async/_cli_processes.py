@@ -12,6 +12,7 @@ from typing import Any, TextIO
 
 import anyio
 
+from ._cli_common import fmt_cell as _fmt
 from ._cli_common import stop_on_signals, wait_for_publisher
 from .events import Event, ProcessSample
 
@@ -148,12 +149,6 @@ class ProcessTable:
                 f"{_fmt(sm):>10}{_fmt(gpu_w):>9}{_fmt(energy, digits=2):>12}"
             )
         return out
-
-
-def _fmt(value: float | int | None, scale: float = 1.0, digits: int = 1) -> str:
-    if value is None:
-        return "-"
-    return f"{value / scale:.{digits}f}"
 
 
 # -- exporter -----------------------------------------------------------------------------------

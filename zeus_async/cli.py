@@ -31,6 +31,7 @@ import anyio
 import msgspec
 
 from . import _cli_processes, _cli_store
+from ._cli_common import fmt_cell as _fmt
 from ._cli_common import stop_on_signals, wait_for_publisher
 from .aggregate import LiveTotals
 from .errors import ZeusAsyncError
@@ -125,12 +126,6 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 # -- monitor ------------------------------------------------------------------------------------
-
-
-def _fmt(value: float | int | None, scale: float = 1.0, digits: int = 1) -> str:
-    if value is None:
-        return "-"
-    return f"{value / scale:.{digits}f}"
 
 
 def render_table(totals: LiveTotals) -> list[str]:
