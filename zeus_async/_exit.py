@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import atexit
 import logging
+import signal
 import threading
 from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
-__all__ = ["call_at_exit"]
+__all__ = ["SignalRestorer", "call_at_exit"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,3 +34,41 @@ def call_at_exit(func: Callable[[], None]) -> None:
         register(func)
     except RuntimeError:  # already shutting down
         atexit.register(func)
+
+
+class SignalRestorer:
+    """Run ``restore`` on SIGINT and SIGTERM, then let the signal do what it did before.
+
+    Handlers are only installed from the main thread (Python delivers signals there). With the
+    default disposition the process exits through ``SystemExit(128 + signum)``, so ``finally``
+    blocks and exit hooks still run (a re-raised ``SIG_DFL`` would kill it before monitors
+    flush their recordings).
+    """
+
+    def __init__(self, restore: Callable[[], None], what: str) -> None:
+        self._restore = restore
+        self._what = what
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self.on_signal)
+
+    def uninstall(self) -> None:
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) == self.on_signal:
+                signal.signal(sig, previous)
+        self._previous.clear()
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        previous = self._previous.get(signum, signal.SIG_DFL)
+        logger.info("signal %d: %s", signum, self._what)
+        self._restore()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            signal.signal(signum, signal.SIG_DFL)
+            raise SystemExit(128 + signum)

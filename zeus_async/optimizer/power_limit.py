@@ -33,19 +33,18 @@ import importlib
 import logging
 import math
 import os
-import signal
 import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import FrameType, TracebackType
+from types import TracebackType
 from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 import msgspec
 
-from .._exit import call_at_exit
+from .._exit import SignalRestorer, call_at_exit
 from ..errors import ConfigError, NoPermissionError
 from ..events import OptimizerState
 
@@ -418,7 +417,8 @@ class GlobalPowerLimitOptimizer:
         self._deciding = False
         self._closed = False
         self._lock = threading.Lock()
-        self._signals: dict[int, Any] = {}
+        self._signals = SignalRestorer(self.close, "restoring the maximum power limit")
+        self._on_signal = self._signals.on_signal
         self._host = socket.gethostname()
 
         # Checks the privilege now, synchronously: a clear error at construction, not later.
@@ -436,7 +436,7 @@ class GlobalPowerLimitOptimizer:
             self._emit("ready", self.power_limits[0], steps=wait_steps + 1)
         call_at_exit(self.close)
         if restore_on_signals:
-            self._install_signal_handlers()
+            self._signals.install()
 
     # -- setup ------------------------------------------------------------------------------------
 
@@ -815,7 +815,7 @@ class GlobalPowerLimitOptimizer:
         if self._closed:
             return
         self._closed = True
-        self._uninstall_signal_handlers()
+        self._signals.uninstall()
         try:
             self.current_power_limit = None
             self._emit("restored", self.max_power_limit, detail="closing")
@@ -824,33 +824,6 @@ class GlobalPowerLimitOptimizer:
             )
         except Exception as exc:  # the monitor may be gone already at interpreter exit
             logger.warning("could not restore the maximum power limit: %s", exc)
-
-    def _install_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous = signal.getsignal(sig)
-            self._signals[sig] = previous
-            signal.signal(sig, self._on_signal)
-
-    def _uninstall_signal_handlers(self) -> None:
-        for sig, previous in self._signals.items():
-            if signal.getsignal(sig) == self._on_signal:
-                signal.signal(sig, previous)
-        self._signals.clear()
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        previous = self._signals.get(signum, signal.SIG_DFL)
-        logger.info("signal %d: restoring the maximum power limit", signum)
-        self.close()
-        if callable(previous):
-            previous(signum, frame)
-        elif previous == signal.SIG_DFL:
-            # Exit like the signal would, but through SystemExit: ``finally`` blocks and atexit
-            # hooks run, so the monitor closes and flushes its recording (a re-raised SIG_DFL
-            # would kill the process before the restore's events were written).
-            signal.signal(signum, signal.SIG_DFL)
-            raise SystemExit(128 + signum)
 
     def __enter__(self) -> GlobalPowerLimitOptimizer:
         return self
