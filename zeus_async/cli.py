@@ -30,7 +30,7 @@ from typing import Any, TextIO
 import anyio
 import msgspec
 
-from . import _cli_processes, _cli_store
+from . import _cli_pfo, _cli_processes, _cli_store
 from ._cli_common import fmt_cell as _fmt
 from ._cli_common import stop_on_signals, wait_for_publisher
 from .aggregate import LiveTotals
@@ -122,6 +122,7 @@ def _build_parser() -> argparse.ArgumentParser:
     prx.add_argument("--duration", type=_positive_float, default=None, help="stop after S s")
     _cli_store.add_parsers(sub, _positive_float)
     _cli_processes.add_exporter_parser(sub, _positive_float, _int_list)
+    _cli_pfo.add_parsers(sub, _positive_float)
     return parser
 
 
@@ -349,6 +350,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         "exporter": _exporter,
     }
     commands.update(_cli_store.COMMANDS)
+    commands.update(_cli_pfo.COMMANDS)
     if args.command is None:
         parser.print_help(stream)
         return EXIT_USAGE

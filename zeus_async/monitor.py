@@ -273,6 +273,11 @@ class Monitor:
         if sync and self._sync == "torch":
             _torch_sync(self.gpu_indices)
 
+    def synchronize(self) -> None:
+        """Wait for the monitored GPUs' queued work (``torch.cuda.synchronize``) when the
+        monitor was made with ``sync_execution_with="torch"``; otherwise do nothing."""
+        self._sync_devices(True)
+
     def begin_window(self, key: str, sync_execution: bool = True, restart: bool = False) -> None:
         """Start window ``key``.
 
@@ -395,6 +400,24 @@ class Monitor:
         runtime = self._embedded.runtime
         return self._embedded.call_soon(
             functools.partial(runtime.set_power_limit, watts, gpus, source=source)
+        )
+
+    def set_sm_clocks(
+        self, mhz: float | None, gpus: Sequence[int] | None = None, *, source: str = ""
+    ) -> Future[Any]:
+        """Lock the SM clock of monitored GPUs (all by default) to ``mhz``; ``None`` resets it.
+
+        Like :meth:`set_power_limit`: runs where the devices are sampled, never waited for,
+        published as a ``ClockChange`` event; the future fails with ``NoPermissionError`` /
+        ``ConfigError``.
+        """
+        self._check_open()
+        if self._process is not None:
+            return self._process.control("set_sm_clocks", mhz=mhz, gpus=gpus, source=source)
+        assert self._embedded is not None and self._embedded.runtime is not None
+        runtime = self._embedded.runtime
+        return self._embedded.call_soon(
+            functools.partial(runtime.set_sm_clocks, mhz, gpus, source=source)
         )
 
     def publish(self, event: Event) -> Future[Any]:

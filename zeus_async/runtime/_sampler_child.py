@@ -94,6 +94,8 @@ async def _run(cfg: ChildConfig) -> None:
                 try:
                     if msg.op == "set_power_limit":
                         await rt.set_power_limit(msg.watts, msg.gpus, source=msg.source)
+                    elif msg.op == "set_sm_clocks":
+                        await rt.set_sm_clocks(msg.mhz, msg.gpus, source=msg.source)
                     elif msg.event is not None:
                         await rt.publish(msg.event)
                 except Exception as exc:

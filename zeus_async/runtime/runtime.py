@@ -16,6 +16,7 @@ devices are closed.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import sys
@@ -34,7 +35,7 @@ from ..devices import OpenedDevices, open_devices
 from ..devices.base import Device, GpuControl, GpuProcessReader
 from ..devices.processes import ProcessSource
 from ..errors import ConfigError
-from ..events import Event, PowerLimitChange, StreamInfo
+from ..events import ClockChange, Event, PowerLimitChange, StreamInfo
 from .hub import EventBatches, Hub
 from .processes import EnergyMeter, ProcessSampler, ProcessTracking
 from .sampler import Sampler
@@ -448,6 +449,42 @@ class Runtime:
         )
         await self.publish(change)
         return change
+
+    async def set_sm_clocks(
+        self, mhz: float | None, gpus: Sequence[int] | None = None, *, source: str = ""
+    ) -> list[ClockChange]:
+        """Lock the SM clock of GPUs (all by default) to ``mhz``, or reset it with ``None``.
+
+        Like :meth:`set_power_limit`: NVML runs in a worker thread, requests are applied one
+        at a time in the order made, and a :class:`~zeus_async.events.ClockChange` is published
+        per GPU.
+
+        Raises:
+            NoPermissionError: The process may not change clocks.
+            ConfigError: An invalid clock, or an unknown GPU index.
+        """
+        if mhz is not None and not (math.isfinite(mhz) and mhz > 0):
+            raise ConfigError(f"SM clock must be a positive number of MHz, not {mhz!r}")
+        controls = self._gpu_controls(gpus)
+        hz = None if mhz is None else float(mhz) * 1e6
+        changes: list[ClockChange] = []
+        async with self._control_lock:
+            for control in controls:
+                if hz is None:
+                    await anyio.to_thread.run_sync(control.reset_sm_clocks)
+                else:
+                    await anyio.to_thread.run_sync(control.lock_sm_clocks_hz, hz, hz)
+                change = ClockChange(
+                    host=self.host,
+                    t_ns=self.clock.wall_ns(),
+                    gpu=control.index,
+                    min_hz=hz,
+                    max_hz=hz,
+                    source=source,
+                )
+                await self.publish(change)
+                changes.append(change)
+        return changes
 
     def _gpu_controls(self, gpus: Sequence[int] | None) -> list[GpuControl]:
         controls = {d.index: d for d in self.devices if isinstance(d, GpuControl)}

@@ -78,19 +78,24 @@ class Stop(msgspec.Struct, tag="stop", array_like=True):
     """Parent to child: finalize pending windows and exit."""
 
 
+ControlOp = Literal["set_power_limit", "set_sm_clocks", "publish"]
+
+
 class Control(msgspec.Struct, tag="control", array_like=True):
     """Parent to child: act on the devices or the stream; answered by a ``control`` reply.
 
-    ``op`` is ``set_power_limit`` (``watts`` on ``gpus``, all when ``None``) or ``publish``
-    (``event`` published on the child's hub).
+    ``op`` is ``set_power_limit`` (``watts`` on ``gpus``, all when ``None``), ``set_sm_clocks``
+    (``mhz`` on ``gpus``; ``None`` resets) or ``publish`` (``event`` published on the child's
+    hub).
     """
 
     seq: int
-    op: Literal["set_power_limit", "publish"]
+    op: ControlOp
     watts: float = 0.0
     gpus: list[int] | None = None
     source: str = ""
     event: Event | None = None
+    mhz: float | None = None
 
 
 class Reply(msgspec.Struct, omit_defaults=True):
@@ -267,9 +272,10 @@ class SamplerProcess:
 
     def control(
         self,
-        op: Literal["set_power_limit", "publish"],
+        op: ControlOp,
         *,
         watts: float = 0.0,
+        mhz: float | None = None,
         gpus: Sequence[int] | None = None,
         source: str = "",
         event: Event | None = None,
@@ -288,7 +294,13 @@ class SamplerProcess:
             seq = self._control_seq
             self._controls[seq] = future
         msg = Control(
-            seq, op, watts, None if gpus is None else list(gpus), source=source, event=event
+            seq,
+            op,
+            watts,
+            None if gpus is None else list(gpus),
+            source=source,
+            event=event,
+            mhz=mhz,
         )
         self._outbox.append(self._enc.encode(msg))
         return future

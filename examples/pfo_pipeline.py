@@ -1,0 +1,185 @@
+"""Pipeline frequency optimization in a (toy) pipeline-parallel training job.
+
+Start a PFO server, then the job (4 ranks: pipeline 2 x data parallel 2)::
+
+    zeus-async pfo-server --scheduler FrontierPlanner3D \\
+        --scheduler-args '{"num_microbatches": 3, "frequency_step": 2, "minimum_frequency": 990}' &
+    torchrun --nproc-per-node 4 examples/pfo_pipeline.py --server tcp://127.0.0.1:7787
+
+Every rank runs a 1F1B schedule over real ``torch.distributed`` point-to-point messages (gloo,
+CPU): activations go forward, gradients backward, and the stage replicas all-reduce at the end
+of each iteration. The server first profiles each stage's forward and backward at decreasing
+GPU clocks, then plans the clocks of every instruction (the time-energy frontier) and serves
+the plan; each rank applies it through :class:`PipelineFrequencyOptimizer`.
+
+GPUs are simulated here (no NVIDIA driver needed): "computing" a forward or backward means
+running a fixed amount of work at the speed the simulated GPU has at its current SM clock, so
+time and energy respond to the plan the way real GPUs do. ``--report DIR`` writes what each
+rank saw (schedules, the clock in force during each instruction, clocks after closing), which
+the project's end-to-end test checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeus_async import Monitor
+from zeus_async.devices.sim_config import SimConfig
+from zeus_async.devices.sim_workload import ConstantWorkload
+from zeus_async.optimizer.pipeline import PipelineFrequencyOptimizer, PipelineSchedule
+from zeus_async.testing import sim_pynvml
+
+logger = logging.getLogger("pfo_pipeline")
+
+#: Simulated GPUs: energy counter and power readings every 5 ms, so millisecond instructions
+#: are measured well; 165 MHz clock steps.
+SIM = SimConfig(
+    num_gpus=4,
+    idle_w=150.0,
+    max_w=700.0,
+    sm_clock_step_mhz=165,
+    memory_bound_frac=0.3,
+    counter_period_s=0.005,
+    instant_period_s=0.005,
+    instant_window_s=0.005,
+    workload=ConstantWorkload(util=1.0),
+)
+
+
+def compute(gpu: int, work_s: float) -> None:
+    """Run ``work_s`` seconds of full-speed work on simulated GPU ``gpu`` at its current speed."""
+    node = sim_pynvml.current_node()
+    assert node is not None
+    remaining = work_s
+    while remaining > 0:
+        step = min(remaining, 0.002)
+        speed = node.gpus[gpu].throughput(node.now_ns())
+        time.sleep(step / speed)
+        remaining -= step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--server", default=os.environ.get("ZEUS_PFO_SERVER", "tcp://127.0.0.1:7787")
+    )
+    parser.add_argument("--pp", type=int, default=2, help="pipeline stages")
+    parser.add_argument("--microbatches", type=int, default=3)
+    parser.add_argument("--forward-ms", type=float, default=6.0, help="stage 0's forward work")
+    parser.add_argument("--until-round", type=int, default=5, help="run until this schedule")
+    parser.add_argument("--tail-iters", type=int, default=4, help="iterations after that")
+    parser.add_argument("--max-seconds", type=float, default=120.0)
+    parser.add_argument("--report", default=None, help="write per-rank reports to this folder")
+    args = parser.parse_args()
+    rank_tag = os.environ.get("RANK", "?")
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{rank_tag}: %(message)s")
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    pp = args.pp
+    dp = world // pp
+    pp_rank, dp_rank = rank % pp, rank // pp
+    replicas = [dist.new_group([d * pp + s for d in range(dp)]) for s in range(pp)]
+    schedule = PipelineSchedule("1f1b", pp, args.microbatches)
+    order = schedule.stage_order(pp_rank)
+    # Stage 0 does twice the work of the later stages: they have slack to slow down in.
+    fwd_s = args.forward_ms / 1000 * (2.0 if pp_rank == 0 else 1.0)
+
+    monitor = Monitor(
+        gpu_indices=[local],
+        backend="sim",
+        sampler="thread",
+        sample_period=0.005,
+        sync_execution_with=None,
+        sim_config=SIM,
+    )
+    pfo = PipelineFrequencyOptimizer(
+        rank=rank,
+        dp_rank=dp_rank,
+        pp_rank=pp_rank,
+        tp_rank=0,
+        device_id=local,
+        dp_degree=dp,
+        pp_degree=pp,
+        tp_degree=1,
+        world_size=world,
+        server_url=args.server,
+        job_metadata="example",
+        monitor=monitor,
+        warmup_iters=1,
+        profile_iters=2,
+    )
+    node = sim_pynvml.current_node()
+    assert node is not None
+    prev_rank, next_rank = rank - 1, rank + 1  # neighbours in this pipeline
+    act = torch.zeros(16)
+    seen: list[dict[str, Any]] = []
+    started = time.monotonic()
+    tail = -1
+    iteration = 0
+    while True:
+        pfo.on_step_begin()
+        clocks = []
+        pending = []
+        for name, mb in order:
+            if name == "forward" and pp_rank > 0:
+                dist.recv(act, prev_rank)
+            if name == "backward" and pp_rank < pp - 1:
+                dist.recv(act, next_rank)
+            pfo.on_instruction_begin(name)
+            compute(local, fwd_s if name == "forward" else 2 * fwd_s)
+            locked = node.gpus[local].locked_sm_clocks_mhz
+            clocks.append([name, None if locked is None else locked[1]])
+            pfo.on_instruction_end(name)
+            act.fill_(float(mb))
+            if name == "forward" and pp_rank < pp - 1:
+                pending.append(dist.isend(act.clone(), next_rank))
+            if name == "backward" and pp_rank > 0:
+                pending.append(dist.isend(act.clone(), prev_rank))
+        for work in pending:
+            work.wait()
+        grad = torch.ones(4)
+        dist.all_reduce(grad, group=replicas[pp_rank])
+        pfo.on_step_end()
+        iteration += 1
+        seen.append({"round": pfo.round, "schedule": pfo.schedule.frequencies, "clocks": clocks})
+        # Every rank stops at the same iteration (point-to-point sends must pair up).
+        flag = torch.tensor([1 if pfo.round >= args.until_round else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if tail < 0 and flag.item() == 1:
+            tail = args.tail_iters
+        if tail >= 0:
+            tail -= 1
+            if tail < 0:
+                break
+        if time.monotonic() - started > args.max_seconds:
+            raise SystemExit(f"rank {rank}: round {args.until_round} not reached in time")
+    pfo.close()
+    after = node.gpus[local].locked_sm_clocks_mhz
+    monitor.close()
+    logger.info("%d iterations; last schedule round %d", iteration, pfo.round)
+    if args.report:
+        Path(args.report).mkdir(parents=True, exist_ok=True)
+        report = {
+            "rank": rank,
+            "pp_rank": pp_rank,
+            "job_id": pfo.job_id,
+            "iterations": seen,
+            "locked_after_close": after,
+        }
+        Path(args.report, f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

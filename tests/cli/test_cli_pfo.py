@@ -1,0 +1,88 @@
+"""``zeus-async pfo-server`` and ``pfo-plan`` as real processes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cli_helpers import popen, run_cli
+
+from zeus_async.optimizer.pipeline import (
+    InstructionProfilingResult,
+    OfflineProfilingResult,
+    PfoClient,
+    read_plan,
+)
+
+
+def _profile(path: Path) -> None:
+    def stage(s: int) -> OfflineProfilingResult:
+        w = 2.0 if s == 0 else 1.0  # stage 0 is the bottleneck
+        t = {1980: 0.010 * w, 1500: 0.012 * w, 1000: 0.016 * w}
+        e = {1980: 3.0 * w, 1500: 2.2 * w, 1000: 2.0 * w}
+        return OfflineProfilingResult(
+            rank=s, dp_rank=0, pp_rank=s, tp_rank=0,
+            forward_time=t, forward_energy=e,
+            backward_time={f: 2 * v for f, v in t.items()},
+            backward_energy={f: 2 * v for f, v in e.items()},
+        )  # fmt: skip
+
+    InstructionProfilingResult([stage(0), stage(1)]).to_csv(path)
+
+
+def test_pfo_plan_writes_a_point_solution_file(tmp_path: Path) -> None:
+    csv = tmp_path / "profile.csv"
+    _profile(csv)
+    out = tmp_path / "plan.json"
+    proc = run_cli("pfo-plan", str(csv), "--microbatches", "4", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "frontier:" in proc.stdout and f"plan written to {out}" in proc.stdout
+    plan = read_plan(out)
+    assert [len(p) for p in plan] == [8, 8]  # 4 forwards + 4 backwards per stage
+    # no slowdown (the chosen plan is as fast as the fastest), but clocks lowered where the
+    # pipeline has slack: most of all on stage 1, which does half of stage 0's work
+    fastest = float(proc.stdout.split("fastest ")[1].split(" s")[0])
+    chosen = float(proc.stdout.split("chosen:")[1].split(" s")[0])
+    assert chosen <= fastest * (1 + 1e-9)
+    assert sum(f < 1980 for _, f in plan[1]) > sum(f < 1980 for _, f in plan[0])
+    slow = run_cli("pfo-plan", str(csv), "--microbatches", "4", "--max-slowdown", "0.5")
+    assert slow.returncode == 0, slow.stderr
+    relaxed = json.loads(slow.stdout.splitlines()[-1])
+    slow_time = float(slow.stdout.split("chosen:")[1].split(" s")[0])
+    assert fastest < slow_time <= 1.5 * fastest
+    assert sum(f < 1980 for p in relaxed for _, f in p) > sum(f < 1980 for p in plan for _, f in p)
+    bad = run_cli("pfo-plan", str(tmp_path / "missing.csv"), "--microbatches", "4")
+    assert bad.returncode == 1 and "missing.csv" in bad.stderr
+
+
+def test_pfo_server_settings_errors_are_one_line(tmp_path: Path) -> None:
+    proc = run_cli("pfo-server", "--scheduler", "InstructionProfiler", "--duration", "1")
+    assert proc.returncode == 1
+    assert "missing a required argument: 'num_microbatches'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = run_cli("pfo-server", "--scheduler-args", "{oops")
+    assert proc.returncode == 1 and "--scheduler-args is not valid JSON" in proc.stderr
+
+
+def test_pfo_server_serves_until_interrupted(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text("[]")
+    server = popen(
+        "pfo-server",
+        "--bind",
+        "tcp://127.0.0.1:*",
+        "--scheduler-args",
+        json.dumps({"solution_path": str(plan)}),
+        "--no-dump",
+    )
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        assert "scheduler PointSolution" in line
+        endpoint = line.split(": ", 1)[1].split(" ", 1)[0]
+        info = PfoClient(endpoint, timeout_s=10).info()
+        assert (info.scheduler, info.jobs) == ("PointSolution", [])
+    finally:
+        server.send_signal(2)
+        _, err = server.communicate(timeout=20)
+    assert server.returncode == 0, err

@@ -1,0 +1,96 @@
+"""Test helpers: a PFO server on a background event loop, and synthetic profiling results."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from zeus_async.optimizer.pipeline import (
+    FrequencySchedule,
+    PfoClient,
+    PfoServer,
+    PfoSettings,
+    ProfilingResult,
+)
+
+T = TypeVar("T")
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ServerUnderTest(PfoServer):
+    """A server whose event loop runs in a portal; ``call`` runs code on that loop."""
+
+    portal: BlockingPortal
+
+    def call(self, func: Callable[[], T]) -> T:
+        return self.portal.call(_sync, func)
+
+
+async def _sync(func: Callable[[], T]) -> T:
+    return func()
+
+
+@contextmanager
+def running_server(
+    tmp_path: Path, clock: FakeClock | None = None, **settings: Any
+) -> Iterator[tuple[ServerUnderTest, str]]:
+    settings.setdefault("dump_dir", str(tmp_path / "dump"))
+    server = ServerUnderTest(
+        PfoSettings(**settings),
+        "tcp://127.0.0.1:*",
+        clock=clock or FakeClock(),
+        evict_period_s=3600,
+    )
+    endpoint = server.bind()
+    with start_blocking_portal("asyncio") as portal:
+        server.portal = portal
+        future = portal.start_task_soon(server.serve)
+        try:
+            yield server, endpoint
+        finally:
+            future.cancel()
+
+
+def result_for(
+    schedule: FrequencySchedule, *, iters: int = 2, base: float = 0.01
+) -> ProfilingResult:
+    """A result whose instruction times/energies are a function of the clock (faster = more J)."""
+    t_b: dict[str, list[list[float]]] = {}
+    e_b: dict[str, list[list[float]]] = {}
+    for _ in range(iters):
+        per_t: dict[str, list[float]] = {}
+        per_e: dict[str, list[float]] = {}
+        for name, mhz in schedule.frequencies:
+            scale = 2.0 if name == "backward" else 1.0
+            t = scale * base * (0.3 + 0.7 * 1980 / mhz)
+            # power: 60 W idle + cubic dynamic part
+            e = t * (60.0 + 240.0 * (mhz / 1980) ** 3)
+            per_t.setdefault(name, []).append(t)
+            per_e.setdefault(name, []).append(e)
+        for k in per_t:
+            t_b.setdefault(k, []).append(per_t[k])
+            e_b.setdefault(k, []).append(per_e[k])
+    busy = sum(sum(v) for vs in t_b.values() for v in vs) / iters
+    busy_e = sum(sum(v) for vs in e_b.values() for v in vs) / iters
+    return ProfilingResult(
+        rank=schedule.rank,
+        iter_time=[busy + 0.005] * iters,
+        iter_energy=[busy_e + 0.005 * 50.0] * iters,  # 50 W while blocked
+        time_breakdown=t_b,
+        energy_breakdown=e_b,
+    )
+
+
+def clients(endpoint: str, n: int) -> list[PfoClient]:
+    return [PfoClient(endpoint, timeout_s=10.0) for _ in range(n)]

@@ -1,0 +1,202 @@
+"""Rank side: clock control through the monitor, the frequency controller, the optimizer's hooks."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+from pfo_helpers import running_server
+
+from zeus_async import Monitor
+from zeus_async.errors import ConfigError
+from zeus_async.events import ClockChange
+from zeus_async.optimizer.pipeline import (
+    FrequencyController,
+    PfoClient,
+    PipelineFrequencyOptimizer,
+    load_prof,
+)
+from zeus_async.store import RecordingReader
+from zeus_async.testing import sim_pynvml
+
+
+@pytest.mark.parametrize("sampler", ["thread", "process"])
+def test_monitor_sets_and_resets_sm_clocks(sampler: str, tmp_path: Path) -> None:
+    path = tmp_path / "clocks.zarc"
+    with Monitor(
+        backend="sim", sampler=sampler, gpu_indices=[1], record=path, sync_execution_with=None
+    ) as m:
+        m.set_sm_clocks(1200, source="t").result(timeout=30)
+        if sampler == "thread":
+            node = sim_pynvml.current_node()
+            assert node is not None and node.gpus[1].locked_sm_clocks_mhz == (1200, 1200)
+        m.set_sm_clocks(None, source="t").result(timeout=30)
+        with pytest.raises(ConfigError, match="positive number of MHz"):
+            m.set_sm_clocks(-5).result(timeout=30)
+        with pytest.raises(ConfigError, match="not controlled"):
+            m.set_sm_clocks(1000, [7]).result(timeout=30)
+    changes = [e for e in RecordingReader(path) if isinstance(e, ClockChange)]
+    assert [(c.gpu, c.min_hz, c.max_hz, c.source) for c in changes] == [
+        (1, 1200e6, 1200e6, "t"),
+        (1, None, None, "t"),
+    ]
+
+
+class _SlowMonitor:
+    """Records set_sm_clocks calls; completes them only when told (a change in flight)."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import Future
+
+        self.calls: list[float | None] = []
+        self.futures: list[Future[object]] = []
+        self._future = Future
+
+    def set_sm_clocks(self, mhz: float | None, gpus: object = None, *, source: str = "") -> object:
+        f = self._future()
+        self.calls.append(mhz)
+        self.futures.append(f)
+        if mhz is None:
+            f.set_result([])
+        return f
+
+
+def test_frequency_controller_coalesces_to_the_latest_request() -> None:
+    mon = _SlowMonitor()
+    ctl = FrequencyController(mon, 0)  # type: ignore[arg-type]
+    ctl.set_frequency(1500)
+    for mhz in (1400, 1300, 1200):  # while 1500 is in flight: only the target moves
+        ctl.set_frequency(mhz)
+    ctl.set_frequency(0)  # 0 = leave the clock as it is
+    assert mon.calls == [1500]
+    mon.futures[0].set_result([])  # 1500 lands -> the latest target (1200) is sent
+    assert mon.calls == [1500, 1200] and ctl.applied == 1500
+    mon.futures[1].set_result([])
+    assert ctl.applied == 1200 and ctl.changes == 2
+    ctl.set_frequency(1200)  # already there: nothing sent
+    assert mon.calls == [1500, 1200]
+    ctl.set_frequency(1000)
+    mon.futures[2].set_exception(RuntimeError("lost"))  # a failure is logged, not raised
+    ctl.set_frequency(1000)  # and the next request tries again
+    assert mon.calls == [1500, 1200, 1000, 1000]
+    ctl.reset()
+    assert mon.calls[-1] is None and ctl.applied is None
+
+
+def _plan(tmp_path: Path) -> str:
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps([[["forward", 1500], ["forward", 1200], ["backward", 990]]]))
+    return str(path)
+
+
+def test_single_rank_optimizer_applies_reports_and_resets(tmp_path: Path) -> None:
+    args = {"solution_path": _plan(tmp_path)}
+    with running_server(tmp_path, scheduler="PointSolution", scheduler_args=args) as (_, ep):
+        monitor = Monitor(
+            backend="sim",
+            sampler="thread",
+            gpu_indices=[0],
+            sample_period=0.005,
+            sync_execution_with=None,
+        )
+        node = sim_pynvml.current_node()
+        assert node is not None
+        gpu = node.gpus[0]
+        pfo = PipelineFrequencyOptimizer(
+            rank=0, dp_rank=0, pp_rank=0, tp_rank=0, device_id=0, dp_degree=1, pp_degree=1,
+            tp_degree=1, world_size=1, server_url=ep, monitor=monitor, warmup_iters=1,
+            profile_iters=2, restore_on_signals=False,
+        )  # fmt: skip
+        assert pfo.schedule.frequencies == [("forward", 1500), ("forward", 1200), ("backward", 990)]
+        seen = []
+        for _ in range(3):
+            pfo.on_step_begin()
+            for name in ("forward", "forward", "backward"):
+                pfo.on_instruction_begin(name)
+                threading.Event().wait(0.01)  # the clock lands on the runtime's thread
+                seen.append(gpu.locked_sm_clocks_mhz)
+                pfo.on_instruction_end(name)
+            pfo.on_step_end()
+        assert seen[-3:] == [(1500, 1500), (1200, 1200), (990, 990)]
+        for _ in range(200):  # the background thread reports round 0 and fetches round 1
+            if pfo.round == 0:
+                pfo.on_step_begin()
+                for name in ("forward", "forward", "backward"):
+                    pfo.on_instruction_begin(name)
+                    pfo.on_instruction_end(name)
+                pfo.on_step_end()
+            threading.Event().wait(0.02)
+        assert pfo.round >= 1
+        # wrong instruction order and too many instructions are refused
+        pfo.on_step_begin()
+        with pytest.raises(RuntimeError, match="should be 'forward', not 'backward'"):
+            pfo.on_instruction_begin("backward")
+        for name in ("forward", "forward", "backward"):
+            pfo.on_instruction_begin(name)
+        with pytest.raises(RuntimeError, match="one more"):
+            pfo.on_instruction_begin("forward")
+        pfo.close()
+        assert gpu.locked_sm_clocks_mhz is None  # reset on close
+        monitor.close()
+        job_dir = next((tmp_path / "dump").iterdir())
+    (result,) = load_prof(job_dir, 0)
+    assert len(result.iter_time) == 2 and len(result.iter_energy) == 2
+    assert [len(x) for x in result.time_breakdown["forward"]] == [2, 2]
+    assert [len(x) for x in result.time_breakdown["backward"]] == [1, 1]
+    assert all(e > 0 for it in result.energy_breakdown["forward"] for e in it)
+    assert all(t >= 0.01 for it in result.time_breakdown["backward"] for t in it)
+
+
+def test_signal_resets_clocks_then_calls_the_previous_handler(tmp_path: Path) -> None:
+    args = {"solution_path": _plan(tmp_path)}
+    calls: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda s, f: calls.append(s))
+    try:
+        with running_server(tmp_path, scheduler="PointSolution", scheduler_args=args) as (_, ep):
+            monitor = Monitor(
+                backend="sim", sampler="thread", gpu_indices=[0], sync_execution_with=None
+            )
+            node = sim_pynvml.current_node()
+            assert node is not None
+            pfo = PipelineFrequencyOptimizer(
+                rank=0, dp_rank=0, pp_rank=0, tp_rank=0, device_id=0, dp_degree=1,
+                pp_degree=1, tp_degree=1, world_size=1, server_url=ep, monitor=monitor,
+            )  # fmt: skip
+            pfo.on_step_begin()
+            pfo.on_instruction_begin("forward")
+            for _ in range(100):
+                if node.gpus[0].locked_sm_clocks_mhz is not None:
+                    break
+                threading.Event().wait(0.01)
+            assert node.gpus[0].locked_sm_clocks_mhz == (1500, 1500)
+            handler = signal.getsignal(signal.SIGTERM)
+            assert callable(handler)
+            handler(signal.SIGTERM, None)
+            assert calls == [signal.SIGTERM]
+            assert node.gpus[0].locked_sm_clocks_mhz is None
+            assert signal.getsignal(signal.SIGTERM) is not handler  # uninstalled on close
+            monitor.close()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_registration_errors_are_clear(tmp_path: Path) -> None:
+    args = {"solution_path": _plan(tmp_path)}
+    with running_server(tmp_path, scheduler="PointSolution", scheduler_args=args) as (_, ep):
+        with pytest.raises(ConfigError, match=r"after torch\.distributed\.init_process_group"):
+            PipelineFrequencyOptimizer(
+                rank=1, dp_rank=0, pp_rank=1, tp_rank=0, device_id=0, dp_degree=1, pp_degree=2,
+                tp_degree=1, world_size=2, server_url=ep,
+            )  # fmt: skip
+        with pytest.raises(ValueError, match="world_size"):
+            PipelineFrequencyOptimizer(
+                rank=0, dp_rank=0, pp_rank=0, tp_rank=0, device_id=0, dp_degree=1, pp_degree=1,
+                tp_degree=2, world_size=1, server_url=ep,
+            )  # fmt: skip
+    with pytest.raises(TimeoutError, match="no reply from the PFO server"):
+        PfoClient("tcp://127.0.0.1:9", timeout_s=0.3).info()
+    with pytest.raises(ConfigError, match="tcp://host:port"):
+        PfoClient("localhost:7787")

@@ -1,0 +1,276 @@
+"""PFO server: request/reply over a real ROUTER socket, error replies, rounds, dumps, eviction."""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+from pfo_helpers import FakeClock, clients, result_for, running_server
+
+from zeus_async.optimizer.pipeline import (
+    InstructionProfilingResult,
+    JobInfo,
+    PfoClient,
+    PfoServerError,
+    RankInfo,
+    load_prof,
+    load_ranks,
+    load_sched,
+    read_plan,
+)
+from zeus_async.optimizer.pipeline import protocol as p
+
+FREQS = [1980, 1800, 1600, 1400, 1200, 1000]
+
+
+def _rank(rank: int, pp: int, dp: int = 0) -> RankInfo:
+    return RankInfo(rank=rank, dp_rank=dp, pp_rank=pp, tp_rank=0, available_frequencies=FREQS)
+
+
+def _plan_file(tmp_path: Path, ranks: int) -> str:
+    plan = [[["forward", 1800 - 100 * r], ["backward", 1600]] for r in range(ranks)]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    return str(path)
+
+
+def _raw(endpoint: str, payload: bytes, frames: list[bytes] | None = None) -> p.Reply:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart(frames if frames is not None else [b"", b"12345678", payload])
+        assert sock.poll(5000), "no reply"
+        parts = sock.recv_multipart()
+        return p.reply_decoder.decode(parts[-1])
+    finally:
+        sock.close()
+
+
+def test_point_solution_rounds_and_dumps(tmp_path: Path) -> None:
+    args = {"solution_path": _plan_file(tmp_path, 2)}
+    with running_server(tmp_path, scheduler="PointSolution", scheduler_args=args) as (_, ep):
+        c0, c1 = clients(ep, 2)
+        job_id = c0.register_job(JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2))
+        assert job_id.endswith("+dp1+pp2+tp1+PointSolution")
+        c0.register_rank(job_id, _rank(0, 0))
+        c1.register_rank(job_id, _rank(1, 1))
+        for round_num in range(2):
+            replies = [c.get_schedule(job_id, r) for r, c in enumerate((c0, c1))]
+            assert [r.round for r in replies] == [round_num, round_num]
+            assert replies[1].schedule.frequencies == [("forward", 1700), ("backward", 1600)]
+            for r, c in enumerate((c0, c1)):
+                c.report(job_id, result_for(replies[r].schedule))
+        info = c0.info(job_id)
+        assert info.scheduler == "PointSolution"
+        assert [(j.job_id, j.ranks_registered, j.world_size) for j in info.jobs] == [(job_id, 2, 2)]
+        assert info.jobs[0].state in ("planning", "running") and info.jobs[0].round >= 1
+        # the third round is served as well (the plan repeats)
+        assert c0.get_schedule(job_id, 0).round == 2
+    dump = tmp_path / "dump" / job_id
+    assert [r.rank for r in load_ranks(dump)] == [0, 1]
+    assert load_sched(dump, 0)[0].frequencies == [("forward", 1800), ("backward", 1600)]
+    assert load_prof(dump, 1)[1] == result_for(load_sched(dump, 1)[1])
+
+
+def test_error_replies_and_server_keeps_serving(tmp_path: Path) -> None:
+    args = {"solution_path": _plan_file(tmp_path, 2)}
+    with running_server(tmp_path, scheduler="PointSolution", scheduler_args=args) as (_, ep):
+        (c,) = clients(ep, 1)
+
+        def code(call: object, *a: object) -> str:
+            with pytest.raises(PfoServerError) as err:
+                call(*a)  # type: ignore[operator]
+            return err.value.code
+
+        bad = _raw(ep, b"\xc1 not msgpack")
+        assert isinstance(bad, p.ErrorReply) and bad.code == "bad_request"
+        envelope = _raw(ep, b"", frames=[b"only-one-frame"])
+        assert isinstance(envelope, p.ErrorReply) and envelope.code == "bad_request"
+        mismatch = msgspec.msgpack.encode(
+            {
+                "type": "register_job",
+                "job": {"pp_degree": 2, "dp_degree": 2, "tp_degree": 1, "world_size": 3},
+            }
+        )
+        reply = _raw(ep, mismatch)
+        assert isinstance(reply, p.ErrorReply) and reply.code == "bad_request"
+        assert "world_size" in reply.message
+        negative = msgspec.msgpack.encode(
+            {
+                "type": "register_job",
+                "job": {"pp_degree": 0, "dp_degree": 1, "tp_degree": 1, "world_size": 0},
+            }
+        )
+        reply = _raw(ep, negative)
+        assert isinstance(reply, p.ErrorReply) and "pp_degree" in reply.message
+
+        preset = JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2, job_id="mine")
+        assert code(c.register_job, preset) == "bad_request"
+        assert code(c.register_rank, "nope", _rank(0, 0)) == "unknown_job"
+        job = c.register_job(JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2))
+        assert code(c.register_rank, job, _rank(2, 0)) == "bad_rank"  # rank >= world size
+        assert code(c.register_rank, job, _rank(1, 5)) == "bad_rank"  # pp_rank >= pp degree
+        c.register_rank(job, _rank(0, 0))
+        assert code(c.register_rank, job, _rank(0, 0)) == "duplicate"
+        assert code(c.get_schedule, job, 1) == "bad_rank"  # not registered
+        c.register_rank(job, _rank(1, 1))
+        sched = c.get_schedule(job, 0).schedule
+        assert code(c.get_schedule, job, 0) == "out_of_order"  # no report yet
+        assert code(c.report, job, result_for(sched.__class__(rank=1, frequencies=[]))) == (
+            "out_of_order"  # rank 1 has not fetched this round
+        )
+        c.report(job, result_for(sched))
+        assert code(c.report, job, result_for(sched)) == "duplicate"
+        assert c.info().jobs[0].job_id == job
+
+
+def test_scheduler_failure_is_reported_to_waiting_ranks_only(tmp_path: Path) -> None:
+    args = {"solution_path": _plan_file(tmp_path, 3)}  # plans 3 ranks
+    with running_server(tmp_path, scheduler="PointSolution", scheduler_args=args) as (_, ep):
+        c0, c1, c2 = clients(ep, 3)
+        bad = c0.register_job(JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2))
+        good = c2.register_job(
+            JobInfo(pp_degree=3, dp_degree=1, tp_degree=1, world_size=3, job_metadata="ok")
+        )
+        assert bad != good and good.endswith("+ok")
+        c0.register_rank(bad, _rank(0, 0))
+        waiting: dict[str, BaseException] = {}
+
+        def wait() -> None:
+            try:
+                c0.get_schedule(bad, 0)
+            except BaseException as exc:
+                waiting["error"] = exc
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        c1.register_rank(bad, _rank(1, 1))  # completes registration: the scheduler fails
+        thread.join(10)
+        err = waiting["error"]
+        assert isinstance(err, PfoServerError) and err.code == "scheduler_error"
+        assert "plans 3 ranks" in str(err)
+        with pytest.raises(PfoServerError, match="scheduler_error"):
+            c1.get_schedule(bad, 1)
+        for r in range(3):
+            c2.register_rank(good, _rank(r, r))
+        assert c2.get_schedule(good, 2).schedule.frequencies[0] == ("forward", 1600)
+        states = {j.job_id: j.state for j in c2.info().jobs}
+        assert states[bad] == "failed"
+
+
+def test_idle_jobs_are_evicted_and_their_waiters_told(tmp_path: Path) -> None:
+    clock = FakeClock()
+    args = {"solution_path": _plan_file(tmp_path, 2)}
+    with running_server(
+        tmp_path, clock, scheduler="PointSolution", scheduler_args=args, max_job_idle_time=60
+    ) as (srv, ep):
+        c0, c1 = clients(ep, 2)
+        job = c0.register_job(JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2))
+        c0.register_rank(job, _rank(0, 0))
+        errors: list[BaseException] = []
+        thread = threading.Thread(target=lambda: _catch(errors, c0.get_schedule, job, 0))
+        thread.start()
+        for _ in range(100):  # wait until the request is parked on the server
+            if srv.call(lambda: bool(srv.jobs[job].parked)):
+                break
+            threading.Event().wait(0.01)
+        clock.now += 30
+        assert srv.call(srv.evict_idle) == []
+        clock.now += 31
+        assert srv.call(srv.evict_idle) == [job]
+        thread.join(10)
+        assert isinstance(errors[0], PfoServerError) and errors[0].code == "evicted"
+        with pytest.raises(PfoServerError, match="unknown_job"):
+            c1.register_rank(job, _rank(1, 1))
+
+
+def _catch(errors: list[BaseException], func: object, *args: object) -> None:
+    try:
+        func(*args)  # type: ignore[operator]
+    except BaseException as exc:
+        errors.append(exc)
+
+
+def _drive(c: PfoClient, job: str, world: int, rounds: int) -> list[list[tuple[str, int]]]:
+    """Run ``rounds`` rounds for every rank from one client; returns rank 0's schedules."""
+    seen = []
+    for _ in range(rounds):
+        replies = [c.get_schedule(job, r) for r in range(world)]
+        seen.append(replies[0].schedule.frequencies)
+        for reply in replies:
+            c.report(job, result_for(reply.schedule))
+    return seen
+
+
+def test_instruction_profiler_3d_sweeps_down_and_stops_when_energy_rises(tmp_path: Path) -> None:
+    args = {"num_microbatches": 2, "patience": 2}
+    with running_server(tmp_path, scheduler="InstructionProfiler3D", scheduler_args=args) as (
+        _,
+        ep,
+    ):
+        (c,) = clients(ep, 1)
+        job = c.register_job(JobInfo(pp_degree=2, dp_degree=2, tp_degree=1, world_size=4))
+        for r in range(4):  # rank = dp * pp + pp_rank
+            c.register_rank(job, _rank(r, r % 2, r // 2))
+        seen = _drive(c, job, 4, 8)
+    # stage 0 of 1F1B with 2 stages, 2 microbatches: F0 F1 B0 B1
+    assert [name for name, _ in seen[0]] == ["forward", "forward", "backward", "backward"]
+    fwd = [s[0][1] for s in seen]
+    # E(f) = t(f) * P(f) of result_for is lowest at 1400 among FREQS; energy rises at 1200 and
+    # 1000, so the sweep stops after 1000 and the job runs at the top clock from then on.
+    assert fwd[:6] == [1980, 1800, 1600, 1400, 1200, 1000]
+    assert fwd[6:] == [1980, 1980]
+    profile = InstructionProfilingResult.from_csv(
+        tmp_path / "dump" / job / "instruction_profile.csv"
+    )
+    assert [r.pp_rank for r in profile.results] == [0, 1]
+    assert sorted(profile.results[0].forward_time) == sorted(FREQS)
+
+
+def test_frontier_planner_serves_a_plan_no_slower_than_max_clocks(tmp_path: Path) -> None:
+    args = {"num_microbatches": 3, "patience": 2}
+    with running_server(tmp_path, scheduler="FrontierPlanner3D", scheduler_args=args) as (_, ep):
+        (c,) = clients(ep, 1)
+        job = c.register_job(JobInfo(pp_degree=2, dp_degree=2, tp_degree=1, world_size=4))
+        for r in range(4):
+            c.register_rank(job, _rank(r, r % 2, r // 2))
+        seen = _drive(c, job, 4, 9)
+        final = [c.get_schedule(job, r).schedule for r in range(4)]
+    plan = read_plan(tmp_path / "dump" / job / "plan.json")
+    assert [s.frequencies for s in final] == [plan[r % 2] for r in range(4)]
+    assert seen[-1] == plan[0]
+    # The plan lowers some clocks (there is slack in the pipeline), never below the profiled set
+    all_freqs = {f for stage in plan for _, f in stage}
+    assert all_freqs <= set(FREQS) and min(all_freqs) < 1980
+    frontier = json.loads((tmp_path / "dump" / job / "frontier.json").read_text())
+    times = [pt["iteration_time_s"] for pt in frontier]
+    assert times == sorted(times)
+
+
+def test_job_ids_are_unique_within_one_second(tmp_path: Path) -> None:
+    args = {"solution_path": _plan_file(tmp_path, 2)}
+    with running_server(tmp_path, scheduler="PointSolution", scheduler_args=args) as (_, ep):
+        (c,) = clients(ep, 1)
+        info = JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2)
+        ids = {c.register_job(info) for _ in range(5)}
+        assert len(ids) == 5
+
+
+def test_request_ids_pair_replies_with_requests(tmp_path: Path) -> None:
+    args = {"solution_path": _plan_file(tmp_path, 2)}
+    with running_server(tmp_path, scheduler="PointSolution", scheduler_args=args) as (_, ep):
+        reply = _raw(ep, p.encoder.encode(p.Info()), frames=None)
+        assert isinstance(reply, p.InfoReply)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.connect(ep)
+        rid = struct.pack("<Q", 77)
+        sock.send_multipart([b"", rid, p.encoder.encode(p.Info())])
+        assert sock.poll(5000)
+        assert sock.recv_multipart()[1] == rid
+        sock.close(linger=0)

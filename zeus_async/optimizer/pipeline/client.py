@@ -1,0 +1,525 @@
+"""Rank side of pipeline frequency optimization: a PFO client and ``PipelineFrequencyOptimizer``.
+
+Each rank of a pipeline-parallel job creates a :class:`PipelineFrequencyOptimizer` after
+``torch.distributed.init_process_group``::
+
+    pfo = PipelineFrequencyOptimizer(rank=..., dp_rank=..., pp_rank=..., tp_rank=...,
+                                     device_id=local_rank, dp_degree=..., pp_degree=...,
+                                     tp_degree=..., world_size=..., server_url="tcp://host:7787")
+    for batch in loader:
+        pfo.on_step_begin()
+        for instruction, microbatch in my_pipeline_schedule:
+            pfo.on_instruction_begin("forward")   # or "backward"
+            ...
+            pfo.on_instruction_end("forward")
+        pfo.on_step_end()
+    pfo.close()                                   # also at exit and on SIGINT/SIGTERM
+
+Rank 0 registers the job and broadcasts its id (``torch.distributed.broadcast_object_list``);
+every rank registers its GPU clocks and fetches its first schedule (these calls block, once, at
+start). After that, nothing on the training thread waits on the server or on NVML:
+
+* ``on_instruction_begin`` looks up the next ``(instruction, MHz)`` of the schedule and hands
+  the clock to a :class:`FrequencyController`, which sets it on the monitor's runtime (sampler
+  process or thread) and keeps only the latest request when calls pile up;
+* every instruction and iteration is a measurement window of the monitor; after
+  ``warmup_iters + profile_iters`` iterations of a schedule, a background thread waits for the
+  windows' energies, reports a :class:`ProfilingResult` and fetches the next schedule, which
+  takes effect at the next ``on_step_begin`` after it arrives (training keeps running the
+  current one meanwhile).
+
+Clocks are reset on :meth:`close`, at interpreter exit and on SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from ..._exit import SignalRestorer, call_at_exit
+from ...errors import ConfigError, ZeusAsyncError
+from . import protocol as p
+from .messages import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
+
+if TYPE_CHECKING:
+    from ...aggregate.windows import WindowResult
+    from ...monitor import Monitor
+
+__all__ = [
+    "FrequencyController",
+    "PfoClient",
+    "PfoServerError",
+    "PipelineFrequencyOptimizer",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``source`` of the clock changes this module makes.
+SOURCE = "pfo"
+
+
+class PfoServerError(ZeusAsyncError):
+    """The PFO server answered a request with an error (``code``: see ``protocol.ERROR_CODES``)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class PfoClient:
+    """Blocking request/reply client of the PFO server (one request at a time per client).
+
+    Args:
+        endpoint: The server's endpoint (``tcp://host:7787``).
+        timeout_s: How long a request may wait for its reply (``get_schedule`` waits for every
+            rank, so it takes its own, longer timeout).
+    """
+
+    def __init__(self, endpoint: str, timeout_s: float = 30.0) -> None:
+        if "://" not in endpoint:
+            raise ConfigError(f"PFO server endpoint must look like tcp://host:port: {endpoint!r}")
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._next_id = 0
+        self._lock = threading.Lock()
+        #: Set to make a waiting request give up (``close`` from another thread).
+        self.cancelled = threading.Event()
+
+    def request(self, request: p.Request, timeout_s: float | None = None) -> p.Reply:
+        """Send ``request`` and return its reply.
+
+        Raises:
+            PfoServerError: The server answered with an error.
+            TimeoutError: No reply in time.
+        """
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        with self._lock:
+            self._next_id += 1
+            req_id = struct.pack("<Q", self._next_id)
+            self._sock.send_multipart([b"", req_id, p.encoder.encode(request)])
+            deadline = time.monotonic() + timeout
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"no reply from the PFO server at {self.endpoint} within {timeout:g} s "
+                        f"({type(request).__name__})"
+                    )
+                if self.cancelled.is_set():
+                    raise TimeoutError("the PFO client was closed while waiting")
+                if not self._sock.poll(max(1, int(min(left, 0.2) * 1000))):
+                    continue
+                parts = self._sock.recv_multipart()
+                if len(parts) == 3 and parts[1] == req_id:
+                    break  # anything else is a late reply to a request that timed out
+        reply: p.Reply = p.reply_decoder.decode(parts[2])
+        if isinstance(reply, p.ErrorReply):
+            raise PfoServerError(reply.code, reply.message)
+        return reply
+
+    def _expect(self, reply: p.Reply, kind: type[Any]) -> Any:
+        if not isinstance(reply, kind):
+            raise PfoServerError("bad_request", f"unexpected reply {type(reply).__name__}")
+        return reply
+
+    def register_job(self, job: JobInfo) -> str:
+        reply = self._expect(self.request(p.RegisterJob(job=job)), p.JobRegistered)
+        return str(reply.job_id)
+
+    def register_rank(self, job_id: str, rank: RankInfo) -> None:
+        self._expect(self.request(p.RegisterRank(job_id=job_id, rank=rank)), p.Ok)
+
+    def get_schedule(
+        self, job_id: str, rank: int, timeout_s: float | None = None
+    ) -> p.ScheduleReply:
+        reply = self.request(p.GetSchedule(job_id=job_id, rank=rank), timeout_s)
+        result: p.ScheduleReply = self._expect(reply, p.ScheduleReply)
+        if result.schedule.rank != rank:
+            raise PfoServerError(
+                "bad_rank", f"asked for rank {rank}'s schedule, got rank {result.schedule.rank}'s"
+            )
+        return result
+
+    def report(self, job_id: str, result: ProfilingResult) -> None:
+        self._expect(self.request(p.ReportProfile(job_id=job_id, result=result)), p.Ok)
+
+    def info(self, job_id: str = "") -> p.InfoReply:
+        reply: p.InfoReply = self._expect(self.request(p.Info(job_id=job_id)), p.InfoReply)
+        return reply
+
+    def close(self) -> None:
+        """Close the socket (call from the thread that makes the requests, or after it ends)."""
+        self.cancelled.set()
+        with self._lock:
+            self._sock.close(linger=0)
+
+
+class FrequencyController:
+    """Set one GPU's SM clock through a monitor without waiting; the latest request wins.
+
+    ``set_frequency`` costs the caller a lock and, when no change is in flight, one hand-off
+    to the monitor's runtime (``Monitor.set_sm_clocks``). While a change is in flight, newer
+    requests only replace the target; when it lands, the newest target (if different) is sent.
+    """
+
+    def __init__(self, monitor: Monitor, gpu: int) -> None:
+        self._monitor = monitor
+        self._gpu = gpu
+        self._lock = threading.Lock()
+        self._wanted: int | None = None
+        self._sent: int | None = None
+        self._inflight = False
+        self._warned = False
+        #: The clock last confirmed set (MHz).
+        self.applied: int | None = None
+        self.changes = 0
+
+    def set_frequency(self, mhz: int) -> None:
+        """Lock the SM clock to ``mhz`` soon (``0``: leave it as it is)."""
+        if mhz <= 0:
+            return
+        with self._lock:
+            self._wanted = mhz
+            if self._inflight or mhz == self._sent:
+                return
+            self._inflight = True
+            self._sent = mhz
+        self._submit(mhz)
+
+    def _submit(self, mhz: int) -> None:
+        try:
+            future = self._monitor.set_sm_clocks(mhz, [self._gpu], source=SOURCE)
+        except Exception as exc:
+            self._failed(exc)
+            return
+        future.add_done_callback(lambda f: self._landed(mhz, f))
+
+    def _failed(self, exc: BaseException) -> None:
+        with self._lock:
+            self._inflight = False
+            self._sent = None
+            first = not self._warned
+            self._warned = True
+        if first:
+            logger.warning("could not set the SM clock of GPU %d: %s", self._gpu, exc)
+
+    def _landed(self, mhz: int, future: Future[Any]) -> None:
+        exc = future.exception()
+        if exc is not None:
+            self._failed(exc)
+            return
+        with self._lock:
+            self.applied = mhz
+            self.changes += 1
+            wanted = self._wanted
+            if wanted is None or wanted == mhz:
+                self._inflight = False
+                return
+            self._sent = wanted
+        self._submit(wanted)
+
+    def reset(self, timeout_s: float = 10.0) -> None:
+        """Reset the clock to the driver's default (waits for it)."""
+        with self._lock:
+            self._wanted = self._sent = None
+        self._monitor.set_sm_clocks(None, [self._gpu], source=f"{SOURCE}: reset").result(
+            timeout=timeout_s
+        )
+        self.applied = None
+
+
+class _Iteration:
+    __slots__ = ("instructions", "window")
+
+    def __init__(self, window: WindowResult | None) -> None:
+        self.window = window
+        self.instructions: list[tuple[str, WindowResult]] = []
+
+
+class PipelineFrequencyOptimizer:
+    """Run the PFO server's frequency schedules on this rank (see the module docstring).
+
+    Args:
+        rank, dp_rank, pp_rank, tp_rank: This process's global and per-dimension ranks.
+        device_id: Index of this rank's GPU (as the monitor numbers them).
+        dp_degree, pp_degree, tp_degree, world_size: The job's parallel degrees.
+        server_url: The PFO server's ZeroMQ endpoint (``tcp://host:7787``).
+        job_metadata: Free text appended to the job id.
+        monitor: The monitor to measure and set clocks with (default: a new one on
+            ``device_id``, closed with this optimizer).
+        warmup_iters: Iterations run with a new schedule before profiling it.
+        profile_iters: Iterations profiled per schedule.
+        timeout_s: Longest wait for the server at start (``get_schedule`` waits for every rank).
+        restore_on_signals: Reset clocks on SIGINT/SIGTERM (main thread only).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        dp_rank: int,
+        pp_rank: int,
+        tp_rank: int,
+        device_id: int,
+        dp_degree: int,
+        pp_degree: int,
+        tp_degree: int,
+        world_size: int,
+        server_url: str,
+        job_metadata: str | None = None,
+        *,
+        monitor: Monitor | None = None,
+        warmup_iters: int = 1,
+        profile_iters: int = 3,
+        timeout_s: float = 120.0,
+        restore_on_signals: bool = True,
+    ) -> None:
+        if warmup_iters < 0 or profile_iters < 1:
+            raise ConfigError("warmup_iters must be >= 0 and profile_iters >= 1")
+        self.rank, self.dp_rank, self.pp_rank, self.tp_rank = rank, dp_rank, pp_rank, tp_rank
+        self.device_id = device_id
+        self.warmup_iters, self.profile_iters = warmup_iters, profile_iters
+        self._timeout = timeout_s
+        self._client = PfoClient(server_url, timeout_s=timeout_s)
+        self.job_id = self._register_job(
+            JobInfo(
+                pp_degree=pp_degree,
+                dp_degree=dp_degree,
+                tp_degree=tp_degree,
+                world_size=world_size,
+                job_metadata=job_metadata,
+            ),
+            world_size,
+        )
+        self._own_monitor = monitor is None
+        if monitor is None:
+            from ...monitor import Monitor
+
+            monitor = Monitor(gpu_indices=[device_id])
+        self.monitor = monitor
+        devices = {int(d.key.split(":")[1]): d for d in monitor.gpu_devices}
+        if device_id not in devices:
+            raise ConfigError(f"GPU {device_id} is not measured by the monitor ({sorted(devices)})")
+        freqs = sorted({round(hz / 1e6) for hz in devices[device_id].supported_sm_clocks_hz})
+        if not freqs:
+            raise ConfigError(f"GPU {device_id} reports no supported SM clocks")
+        self._client.register_rank(
+            self.job_id,
+            RankInfo(
+                rank=rank,
+                dp_rank=dp_rank,
+                pp_rank=pp_rank,
+                tp_rank=tp_rank,
+                available_frequencies=freqs[::-1],
+            ),
+        )
+        self.controller = FrequencyController(monitor, device_id)
+        first = self._client.get_schedule(self.job_id, rank, timeout_s)
+        self.schedule: FrequencySchedule = first.schedule
+        #: Round number of the schedule in force.
+        self.round = first.round
+        self._pos = 0
+        self._in_step = False
+        self._iters_run = 0
+        self._collected: list[_Iteration] = []
+        self._current: _Iteration | None = None
+        self._pending: FrequencySchedule | None = None
+        self._pending_round = 0
+        self._next_lock = threading.Lock()
+        self._work: queue.SimpleQueue[list[_Iteration] | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._worker = threading.Thread(
+            target=self._report_loop, name=f"zeus-async-pfo-{rank}", daemon=True
+        )
+        self._worker.start()
+        self._signals = SignalRestorer(self.close, "resetting GPU clocks")
+        if restore_on_signals:
+            self._signals.install()
+        call_at_exit(self.close)
+
+    def _register_job(self, job: JobInfo, world_size: int) -> str:
+        job_id: str | None = None
+        error = ""
+        if self.rank == 0:
+            try:
+                job_id = self._client.register_job(job)
+            except Exception as exc:
+                error = f"rank 0 could not register the job: {exc}"
+        if world_size > 1:
+            import torch.distributed as dist
+
+            if not dist.is_available() or not dist.is_initialized():
+                raise ConfigError(
+                    "create PipelineFrequencyOptimizer after torch.distributed.init_process_group"
+                )
+            box: list[Any] = [(job_id, error)]
+            dist.broadcast_object_list(box, src=0)
+            job_id, error = box[0]
+        if error or job_id is None:
+            raise PfoServerError("bad_request", error or "no job id from rank 0")
+        return job_id
+
+    # -- training hooks -----------------------------------------------------------------------
+
+    def _check(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"PFO background reporting failed: {error}") from error
+
+    def on_step_begin(self) -> None:
+        """Mark the start of an iteration (switches to a newly fetched schedule)."""
+        self._check()
+        with self._next_lock:
+            if self._pending is not None:
+                self.schedule, self.round = self._pending, self._pending_round
+                self._pending = None
+                self._iters_run = 0
+        self._pos = 0
+        self._in_step = True
+        profiling = self.warmup_iters <= self._iters_run < self.warmup_iters + self.profile_iters
+        self._current = None
+        if profiling:
+            self.monitor.begin_window("pfo:iteration", sync_execution=True, restart=True)
+            self._current = _Iteration(None)
+
+    def on_instruction_begin(self, name: str) -> None:
+        """Mark the start of an instruction (``forward``/``backward``): apply its clock."""
+        if not self._in_step:
+            raise RuntimeError("on_instruction_begin outside on_step_begin/on_step_end")
+        freqs = self.schedule.frequencies
+        if self._pos >= len(freqs):
+            raise RuntimeError(
+                f"the schedule has {len(freqs)} instructions per iteration; this is one more"
+            )
+        expected, mhz = freqs[self._pos]
+        if expected != name:
+            raise RuntimeError(
+                f"instruction {self._pos} of the iteration should be {expected!r}, not {name!r}"
+            )
+        self._pos += 1
+        if self._current is not None:
+            self.monitor.begin_window(f"pfo:{name}", sync_execution=True, restart=True)
+        else:
+            self.monitor.synchronize()  # the previous instruction ends at its own clock
+        self.controller.set_frequency(mhz)
+
+    def on_instruction_end(self, name: str) -> None:
+        """Mark the end of an instruction."""
+        if self._current is not None:
+            self._current.instructions.append(
+                (name, self.monitor.end_window(f"pfo:{name}", sync_execution=True))
+            )
+
+    def on_step_end(self) -> None:
+        """Mark the end of an iteration."""
+        if not self._in_step:
+            raise RuntimeError("on_step_end without on_step_begin")
+        self._in_step = False
+        if self._pos != len(self.schedule.frequencies):
+            raise RuntimeError(
+                f"the iteration ran {self._pos} instructions; the schedule has "
+                f"{len(self.schedule.frequencies)}"
+            )
+        self._iters_run += 1
+        current, self._current = self._current, None
+        if current is None:
+            return
+        current.window = self.monitor.end_window("pfo:iteration", sync_execution=False)
+        self._collected.append(current)
+        if len(self._collected) == self.profile_iters:
+            batch, self._collected = self._collected, []
+            self._work.put(batch)
+
+    # -- background -------------------------------------------------------------------------
+
+    def _result(self, batch: Sequence[_Iteration]) -> ProfilingResult:
+        gpu = self.device_id
+        time_b: dict[str, list[list[float]]] = {}
+        energy_b: dict[str, list[list[float]]] = {}
+        for it in batch:
+            per_t: dict[str, list[float]] = {}
+            per_e: dict[str, list[float]] = {}
+            for name, w in it.instructions:
+                per_t.setdefault(name, []).append(w.time)
+                per_e.setdefault(name, []).append(w.gpu_energy.get(gpu, 0.0))
+            for name in set(per_t) | set(time_b):
+                time_b.setdefault(name, []).append(per_t.get(name, []))
+                energy_b.setdefault(name, []).append(per_e.get(name, []))
+        windows = [it.window for it in batch if it.window is not None]
+        return ProfilingResult(
+            rank=self.rank,
+            iter_time=[w.time for w in windows],
+            iter_energy=[w.gpu_energy.get(gpu, 0.0) for w in windows],
+            time_breakdown=time_b,
+            energy_breakdown=energy_b,
+        )
+
+    def _report_loop(self) -> None:
+        while True:
+            batch = self._work.get()
+            if batch is None:
+                return
+            try:
+                result = self._result(batch)
+                self._client.report(self.job_id, result)
+                reply = self._client.get_schedule(self.job_id, self.rank, math.inf)
+            except Exception as exc:
+                if self._closed:
+                    return
+                logger.error("rank %d: PFO reporting failed: %s", self.rank, exc)
+                self._error = exc
+                return
+            with self._next_lock:
+                self._pending, self._pending_round = reply.schedule, reply.round
+            logger.debug("rank %d: schedule of round %d received", self.rank, reply.round)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Reset the GPU clock (waiting for it) and stop. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._signals.uninstall()
+        self._work.put(None)
+        self._client.cancelled.set()
+        self._worker.join(timeout=5.0)
+        try:
+            self.controller.reset()
+        except Exception as exc:  # the monitor may be gone already at interpreter exit
+            logger.warning("could not reset the SM clock of GPU %d: %s", self.device_id, exc)
+        self._client.close()
+        if self._own_monitor:
+            self.monitor.close()
+
+    def __enter__(self) -> PipelineFrequencyOptimizer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def default_endpoint() -> str:
+    """``$ZEUS_PFO_SERVER`` or the server's default endpoint."""
+    from .server import DEFAULT_ENDPOINT
+
+    return os.environ.get("ZEUS_PFO_SERVER", DEFAULT_ENDPOINT)

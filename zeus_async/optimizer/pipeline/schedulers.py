@@ -1,0 +1,559 @@
+"""Frequency schedulers: the policies the PFO server runs, one instance per job.
+
+A scheduler is a generator in disguise (Zeus's ``FrequencyScheduler``, seed 003): ``_run`` yields
+the schedules of the next round (one :class:`FrequencySchedule` per rank) and receives the
+ranks' :class:`ProfilingResult` for them from the ``yield``. When the generator ends, the last
+schedule is served for the rest of training. The server calls :meth:`next_schedule` and
+:meth:`observe` in a worker thread, so a slow policy (the frontier planner) never stalls the
+requests of other jobs.
+
+* :class:`PointSolution` serves a plan read from a file.
+* :class:`InstructionProfiler` sweeps each stage's forward and backward clocks downwards, one
+  clock per round, and stops a sweep once its energy has risen ``patience`` rounds in a row;
+  the result is an :class:`InstructionProfilingResult` (also written as CSV).
+* :class:`FrontierPlanner` profiles like :class:`InstructionProfiler`, then plans the whole
+  iteration with :mod:`.planner` (Perseus's time-energy frontier) and serves the plan for a
+  target iteration time (by default the least energy with no slowdown).
+* :func:`make_3d_parallel` wraps any of them so it only sees pipeline parallelism; the ``*3D``
+  variants are the wrapped classes.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Generator, Sequence
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ...errors import ConfigError
+from .messages import (
+    FrequencySchedule,
+    InstructionProfilingResult,
+    JobInfo,
+    OfflineProfilingResult,
+    ProfilingResult,
+    RankInfo,
+)
+from .planner import FrontierPoint, InstructionProfile, PipelineSchedule, plan_frontier
+from .settings import PfoSettings
+
+__all__ = [
+    "SCHEDULERS",
+    "FrequencyScheduler",
+    "FrontierPlanner",
+    "FrontierPlanner3D",
+    "InstructionProfiler",
+    "InstructionProfiler3D",
+    "PointSolution",
+    "PointSolution3D",
+    "make_3d_parallel",
+]
+
+logger = logging.getLogger(__name__)
+
+ScheduleGen = Generator[list[FrequencySchedule], list[ProfilingResult], None]
+
+
+class FrequencyScheduler(ABC):
+    """Base of every scheduler: write :meth:`_run` as a generator of rounds.
+
+    Args:
+        job_info: The job.
+        rank_infos: Its ranks, in any order (kept sorted by rank).
+        pfo_settings: The server's settings (``dump_dir``, ...).
+    """
+
+    def __init__(
+        self, job_info: JobInfo, rank_infos: list[RankInfo], pfo_settings: PfoSettings
+    ) -> None:
+        self.job_info = job_info
+        self.rank_infos = sorted(rank_infos, key=lambda info: info.rank)
+        self.world_size = job_info.world_size
+        self.pfo_settings = pfo_settings
+        self._generator = self._run()
+        self._next_schedule: list[FrequencySchedule] | None = None
+
+    @property
+    def dump_dir(self) -> Path:
+        """This job's folder under the server's ``dump_dir``."""
+        return Path(self.pfo_settings.dump_dir) / (self.job_info.job_id or "unregistered")
+
+    def observe(self, profiling_results: list[ProfilingResult]) -> None:
+        """Take the results of the last round (any rank order); prepares the next round."""
+        with suppress(StopIteration):
+            self._next_schedule = self._generator.send(profiling_results)
+
+    def next_schedule(self) -> list[FrequencySchedule]:
+        """The schedules of the next round (one per rank; the last one again once done)."""
+        if self._next_schedule is None:
+            try:
+                self._next_schedule = next(self._generator)
+            except StopIteration as exc:
+                raise RuntimeError(
+                    f"{type(self).__name__}._run ended before yielding a schedule"
+                ) from exc
+        return self._next_schedule
+
+    @abstractmethod
+    def _run(self) -> ScheduleGen:
+        """Yield each round's schedules; each ``yield`` returns that round's results."""
+
+
+def _aggregate(results: Sequence[ProfilingResult], stage: int) -> ProfilingResult:
+    """One result for a stage: times are the slowest replica's, energies the replicas' sum."""
+
+    def agg(
+        rows: Sequence[Sequence[float]], fun: Callable[[Sequence[float]], float]
+    ) -> list[float]:
+        return [fun(vals) for vals in zip(*rows, strict=True)]
+
+    def agg2(
+        rows: Sequence[Sequence[Sequence[float]]], fun: Callable[[Sequence[float]], float]
+    ) -> list[list[float]]:
+        return [agg(vals, fun) for vals in zip(*rows, strict=True)]
+
+    try:
+        keys = set(results[0].time_breakdown)
+        return ProfilingResult(
+            rank=stage,
+            iter_time=agg([r.iter_time for r in results], max),
+            iter_energy=agg([r.iter_energy for r in results], math.fsum),
+            time_breakdown={
+                k: agg2([r.time_breakdown[k] for r in results], max) for k in sorted(keys)
+            },
+            energy_breakdown={
+                k: agg2([r.energy_breakdown[k] for r in results], math.fsum) for k in sorted(keys)
+            },
+        )
+    except (KeyError, ValueError) as exc:
+        raise ValueError(
+            f"ranks of pipeline stage {stage} reported results of different shapes: {exc}"
+        ) from None
+
+
+def make_3d_parallel(
+    sched_cls: type[FrequencyScheduler], name: str | None = None
+) -> type[FrequencyScheduler]:
+    """Wrap ``sched_cls`` so that it plans for pipeline stages only.
+
+    The wrapped scheduler sees a job of ``pp_degree`` ranks (rank = ``pp_rank``; the infos of
+    data/tensor-parallel rank 0). Results of the ranks of one stage are merged (slowest time,
+    summed energy) before it observes them, and each stage's schedule is copied to every rank
+    of that stage.
+    """
+
+    class Wrapper(sched_cls):  # type: ignore[valid-type,misc]
+        def __init__(
+            self,
+            job_info: JobInfo,
+            rank_infos: list[RankInfo],
+            pfo_settings: PfoSettings,
+            *args: Any,
+            **kwargs: Any,
+        ) -> None:
+            self._orig_job_info = job_info
+            self._orig_rank_infos = sorted(rank_infos, key=lambda r: r.rank)
+            self._rank_to_stage = {r.rank: r.pp_rank for r in rank_infos}
+            pp_job = msgspec.structs.replace(
+                job_info, dp_degree=1, tp_degree=1, world_size=job_info.pp_degree
+            )
+            pp_ranks = [
+                msgspec.structs.replace(r, rank=r.pp_rank)
+                for r in rank_infos
+                if r.dp_rank == 0 and r.tp_rank == 0
+            ]
+            super().__init__(pp_job, pp_ranks, pfo_settings, *args, **kwargs)
+
+        def observe(self, profiling_results: list[ProfilingResult]) -> None:
+            per_stage: list[list[ProfilingResult]] = [
+                [] for _ in range(self._orig_job_info.pp_degree)
+            ]
+            for result in sorted(profiling_results, key=lambda r: r.rank):
+                per_stage[self._rank_to_stage[result.rank]].append(result)
+            merged = [_aggregate(rs, stage) for stage, rs in enumerate(per_stage) if rs]
+            super().observe(merged)
+
+        def next_schedule(self) -> list[FrequencySchedule]:
+            by_stage = {s.rank: s for s in super().next_schedule()}
+            out = []
+            for info in self._orig_rank_infos:
+                stage_schedule = by_stage.get(info.pp_rank)
+                if stage_schedule is None:
+                    raise RuntimeError(f"no schedule for pipeline stage {info.pp_rank}")
+                out.append(
+                    FrequencySchedule(rank=info.rank, frequencies=stage_schedule.frequencies)
+                )
+            return out
+
+    Wrapper.__name__ = Wrapper.__qualname__ = name or (sched_cls.__name__ + "3D")
+    if sched_cls.__doc__ is not None:
+        Wrapper.__doc__ = "[Wrapped for 3D parallelism] " + sched_cls.__doc__
+    return Wrapper
+
+
+# -- PointSolution -------------------------------------------------------------------------------
+
+_Plan = list[list[tuple[str, int]]]
+
+
+def read_plan(path: str | Path) -> _Plan:
+    """Read a plan file: per rank, ``[(instruction, MHz), ...]`` in execution order.
+
+    JSON (``.json``) or a Python literal (``.py``, what lowtime/Perseus write), parsed with
+    ``json`` / ``ast.literal_eval``: no code in the file is ever run.
+
+    Raises:
+        ConfigError: The file is missing, does not parse, or does not hold such a list.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"plan file not found: {str(p)!r}")
+    text = p.read_text(encoding="utf-8")
+    try:
+        raw: Any = json.loads(text) if p.suffix == ".json" else ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError) as exc:
+        raise ConfigError(f"{p}: not a JSON or Python literal plan: {exc}") from None
+    try:
+        plan = msgspec.convert(raw, list[list[tuple[str, int]]])
+    except msgspec.ValidationError as exc:
+        raise ConfigError(
+            f"{p}: a plan is a list (one per rank) of [instruction, MHz] pairs: {exc}"
+        ) from None
+    for rank, freqs in enumerate(plan):
+        for name, mhz in freqs:
+            if not name or mhz <= 0:
+                raise ConfigError(f"{p}: rank {rank}: invalid entry ({name!r}, {mhz!r})")
+    return plan
+
+
+def write_plan(path: str | Path, schedules: Sequence[FrequencySchedule]) -> None:
+    """Write ``schedules`` (sorted by rank) as a JSON plan file :class:`PointSolution` reads."""
+    plan = [s.frequencies for s in sorted(schedules, key=lambda s: s.rank)]
+    Path(path).write_bytes(msgspec.json.encode(plan))
+
+
+class PointSolution(FrequencyScheduler):
+    """Serves the plan in ``solution_path`` (see :func:`read_plan`), one entry per rank."""
+
+    def __init__(
+        self,
+        job_info: JobInfo,
+        rank_infos: list[RankInfo],
+        pfo_settings: PfoSettings,
+        solution_path: str,
+    ) -> None:
+        plan = read_plan(solution_path)
+        if len(plan) != job_info.world_size:
+            raise ConfigError(
+                f"{solution_path} plans {len(plan)} ranks, but the job has {job_info.world_size}"
+            )
+        self.schedule = [FrequencySchedule(rank=r, frequencies=f) for r, f in enumerate(plan)]
+        super().__init__(job_info, rank_infos, pfo_settings)
+
+    def _run(self) -> ScheduleGen:
+        yield self.schedule
+
+
+# -- InstructionProfiler -------------------------------------------------------------------------
+
+
+class _Sweep:
+    """The downward clock sweep of one instruction of one stage."""
+
+    def __init__(self, freqs: list[int], patience: int) -> None:
+        self.freqs = freqs
+        self.index = 0
+        self.patience = patience
+        self.rises = 0
+        self.best = math.inf
+        self.time: dict[int, float] = {}
+        self.energy: dict[int, float] = {}
+        self.done = not freqs
+
+    @property
+    def current(self) -> int:
+        return self.freqs[min(self.index, len(self.freqs) - 1)]
+
+    def record(self, time_s: float, energy_j: float) -> None:
+        freq = self.current
+        self.time[freq], self.energy[freq] = time_s, energy_j
+        if energy_j < self.best:
+            self.best, self.rises = energy_j, 0
+        else:
+            self.rises += 1
+        self.index += 1
+        if self.rises >= self.patience or self.index >= len(self.freqs):
+            self.done = True
+
+
+def _mean_breakdown(result: ProfilingResult, instr: str) -> tuple[float, float] | None:
+    times = [t for it in result.time_breakdown.get(instr, []) for t in it]
+    energies = [e for it in result.energy_breakdown.get(instr, []) for e in it]
+    if not times:
+        return None
+    return math.fsum(times) / len(times), math.fsum(energies) / len(energies)
+
+
+class InstructionProfiler(FrequencyScheduler):
+    """Profile every stage's forward and backward at decreasing SM clocks, one per round.
+
+    Each round runs every stage's forwards at one clock and its backwards at another; a sweep
+    moves down the rank's available clocks (every ``frequency_step``-th, none below
+    ``minimum_frequency``) and stops once its energy has not improved for ``patience`` rounds
+    in a row (lower clocks would only cost more). When every sweep has stopped, the means are
+    an :class:`InstructionProfilingResult` (:attr:`profile`), written to ``output_csv``
+    (default ``<dump_dir>/<job>/instruction_profile.csv`` when the server dumps data), and the
+    job runs at the highest clocks from then on.
+
+    Args:
+        pipeline: ``"1f1b"`` or ``"gpipe"``: the order of each stage's instructions.
+        num_microbatches: Microbatches per iteration.
+        frequency_step: Profile every n-th available clock.
+        minimum_frequency: Lowest clock to profile (MHz).
+        patience: Rounds of rising energy that end a sweep.
+        output_csv: Where to write the profile.
+    """
+
+    def __init__(
+        self,
+        job_info: JobInfo,
+        rank_infos: list[RankInfo],
+        pfo_settings: PfoSettings,
+        num_microbatches: int,
+        pipeline: str = "1f1b",
+        frequency_step: int = 1,
+        minimum_frequency: int = 0,
+        patience: int = 2,
+        output_csv: str | None = None,
+    ) -> None:
+        if frequency_step < 1 or patience < 1:
+            raise ConfigError("frequency_step and patience must be >= 1")
+        if num_microbatches < 1:
+            raise ConfigError(f"num_microbatches must be >= 1, not {num_microbatches}")
+        try:
+            self.pipeline = PipelineSchedule(pipeline, job_info.pp_degree, num_microbatches)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self.frequency_step = frequency_step
+        self.minimum_frequency = minimum_frequency
+        self.patience = patience
+        self._output_csv = output_csv
+        #: The result, once every sweep has stopped.
+        self.profile: InstructionProfilingResult | None = None
+        #: Blocking power (W) estimated from the profiling rounds (idle time and energy).
+        self.blocking_power_w: float | None = None
+        super().__init__(job_info, rank_infos, pfo_settings)
+
+    def _stage_infos(self) -> dict[int, RankInfo]:
+        infos: dict[int, RankInfo] = {}
+        for info in self.rank_infos:
+            infos.setdefault(info.pp_rank, info)
+        missing = set(range(self.job_info.pp_degree)) - set(infos)
+        if missing:
+            raise ValueError(f"no rank registered for pipeline stage(s) {sorted(missing)}")
+        return infos
+
+    def stage_schedule(self, stage: int, freq: Callable[[str, int], int]) -> list[tuple[str, int]]:
+        """``[(instruction, MHz)]`` of ``stage``'s iteration; ``freq(instruction, microbatch)``."""
+        return [(name, freq(name, mb)) for name, mb in self.pipeline.stage_order(stage)]
+
+    def _round(self, sweeps: dict[tuple[int, str], _Sweep]) -> list[FrequencySchedule]:
+        out = []
+        for info in self.rank_infos:
+            stage = info.pp_rank
+            top = max(info.available_frequencies)
+
+            def pick(name: str, _mb: int, stage: int = stage, top: int = top) -> int:
+                sweep = sweeps.get((stage, name))
+                return top if sweep is None or sweep.done else sweep.current
+
+            out.append(
+                FrequencySchedule(rank=info.rank, frequencies=self.stage_schedule(stage, pick))
+            )
+        return out
+
+    def _profile_rounds(self) -> Generator[list[FrequencySchedule], list[ProfilingResult], None]:
+        stages = self._stage_infos()
+        sweeps: dict[tuple[int, str], _Sweep] = {}
+        for stage, info in stages.items():
+            freqs = sorted(set(info.available_frequencies), reverse=True)[:: self.frequency_step]
+            freqs = [f for f in freqs if f >= self.minimum_frequency]
+            for instr in ("forward", "backward"):
+                sweeps[(stage, instr)] = _Sweep(freqs, self.patience)
+        idle_t = idle_e = 0.0
+        round_num = 0
+        while not all(s.done for s in sweeps.values()):
+            results = yield self._round(sweeps)
+            round_num += 1
+            stage_of = {info.rank: info.pp_rank for info in self.rank_infos}
+            grouped: dict[int, list[ProfilingResult]] = {}
+            for r in sorted(results, key=lambda r: r.rank):
+                if r.rank not in stage_of:
+                    raise ValueError(f"round {round_num}: result from unknown rank {r.rank}")
+                grouped.setdefault(stage_of[r.rank], []).append(r)
+            by_stage = {
+                stage: rs[0] if len(rs) == 1 else _aggregate(rs, stage)
+                for stage, rs in grouped.items()
+            }
+            for (stage, instr), sweep in sweeps.items():
+                if sweep.done:
+                    continue
+                result = by_stage.get(stage)
+                measured = None if result is None else _mean_breakdown(result, instr)
+                if measured is None:
+                    raise ValueError(
+                        f"round {round_num}: no {instr} timings reported for pipeline stage {stage}"
+                    )
+                sweep.record(*measured)
+            for r in by_stage.values():
+                busy_t = sum(math.fsum(it) for v in r.time_breakdown.values() for it in v)
+                busy_e = sum(math.fsum(it) for v in r.energy_breakdown.values() for it in v)
+                idle_t += max(0.0, math.fsum(r.iter_time) - busy_t)
+                idle_e += max(0.0, math.fsum(r.iter_energy) - busy_e)
+            logger.debug(
+                "job %s: profiled round %d; sweeps left: %d",
+                self.job_info.job_id,
+                round_num,
+                sum(not s.done for s in sweeps.values()),
+            )
+        self.blocking_power_w = idle_e / idle_t if idle_t > 1e-9 else 0.0
+        self.profile = InstructionProfilingResult(
+            [
+                OfflineProfilingResult(
+                    rank=info.rank,
+                    dp_rank=info.dp_rank,
+                    pp_rank=stage,
+                    tp_rank=info.tp_rank,
+                    forward_time=sweeps[(stage, "forward")].time,
+                    forward_energy=sweeps[(stage, "forward")].energy,
+                    backward_time=sweeps[(stage, "backward")].time,
+                    backward_energy=sweeps[(stage, "backward")].energy,
+                )
+                for stage, info in sorted(stages.items())
+            ]
+        )
+        out = self._output_csv
+        if out is None and self.pfo_settings.dump_data:
+            out = str(self.dump_dir / "instruction_profile.csv")
+        if out is not None:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            self.profile.to_csv(out)
+            logger.info("job %s: instruction profile written to %s", self.job_info.job_id, out)
+
+    def _run(self) -> ScheduleGen:
+        yield from self._profile_rounds()
+        yield self._round({})
+
+
+class FrontierPlanner(InstructionProfiler):
+    """Profile (as :class:`InstructionProfiler`), then serve a Perseus time-energy plan.
+
+    From the profile and the pipeline schedule, :func:`.planner.plan_frontier` computes the
+    Pareto frontier of iteration time and energy over frequency plans; the plan served is the
+    least-energy one within ``target_time_s``, or within ``(1 + max_slowdown)`` x the fastest
+    plan's time, or (neither given) the least-energy plan with no slowdown. Blocking power
+    (energy a GPU draws while it waits on another stage) is ``p_block_w`` or, by default, what
+    the profiling rounds measured outside instructions. The frontier is written to
+    ``<dump_dir>/<job>/frontier.json`` and the plan to ``plan.json`` (a :class:`PointSolution`
+    file).
+    """
+
+    def __init__(
+        self,
+        job_info: JobInfo,
+        rank_infos: list[RankInfo],
+        pfo_settings: PfoSettings,
+        num_microbatches: int,
+        pipeline: str = "1f1b",
+        frequency_step: int = 1,
+        minimum_frequency: int = 0,
+        patience: int = 2,
+        output_csv: str | None = None,
+        target_time_s: float | None = None,
+        max_slowdown: float | None = None,
+        p_block_w: float | None = None,
+    ) -> None:
+        if target_time_s is not None and max_slowdown is not None:
+            raise ConfigError("give target_time_s or max_slowdown, not both")
+        if max_slowdown is not None and max_slowdown < 0:
+            raise ConfigError(f"max_slowdown must be >= 0, not {max_slowdown}")
+        if p_block_w is not None and p_block_w < 0:
+            raise ConfigError(f"p_block_w must be >= 0, not {p_block_w}")
+        self.target_time_s = target_time_s
+        self.max_slowdown = max_slowdown
+        self.p_block_w = p_block_w
+        #: The plan served, once planned.
+        self.plan: FrontierPoint | None = None
+        super().__init__(
+            job_info,
+            rank_infos,
+            pfo_settings,
+            num_microbatches,
+            pipeline,
+            frequency_step,
+            minimum_frequency,
+            patience,
+            output_csv,
+        )
+
+    def _run(self) -> ScheduleGen:
+        yield from self._profile_rounds()
+        assert self.profile is not None
+        p_block = self.p_block_w if self.p_block_w is not None else self.blocking_power_w or 0.0
+        profile = InstructionProfile.from_rows(self.profile.rows())
+        frontier = plan_frontier(profile, self.pipeline, p_block_w=p_block)
+        target = self.target_time_s
+        if target is None and self.max_slowdown is not None:
+            target = frontier.points[0].iteration_time_s * (1.0 + self.max_slowdown)
+        self.plan = point = frontier.pick(target)
+        logger.info(
+            "job %s: planned %.4f s / %.3f J per iteration (%d frontier points, P_block %.1f W)",
+            self.job_info.job_id,
+            point.iteration_time_s,
+            point.energy_j,
+            len(frontier.points),
+            p_block,
+        )
+        schedules = [
+            FrequencySchedule(
+                rank=info.rank, frequencies=point.stage_plan(self.pipeline, info.pp_rank)
+            )
+            for info in self.rank_infos
+        ]
+        if self.pfo_settings.dump_data:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            (self.dump_dir / "frontier.json").write_bytes(
+                msgspec.json.encode(
+                    [
+                        {"iteration_time_s": p.iteration_time_s, "energy_j": p.energy_j}
+                        for p in frontier.points
+                    ]
+                )
+            )
+            write_plan(self.dump_dir / "plan.json", schedules)
+        yield schedules
+
+
+PointSolution3D = make_3d_parallel(PointSolution)
+InstructionProfiler3D = make_3d_parallel(InstructionProfiler)
+FrontierPlanner3D = make_3d_parallel(FrontierPlanner)
+
+#: Schedulers by the name ``ZEUS_PFO_SCHEDULER`` uses.
+SCHEDULERS: dict[str, type[FrequencyScheduler]] = {
+    cls.__name__: cls
+    for cls in (
+        PointSolution,
+        PointSolution3D,
+        InstructionProfiler,
+        InstructionProfiler3D,
+        FrontierPlanner,
+        FrontierPlanner3D,
+    )
+}

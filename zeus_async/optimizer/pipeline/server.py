@@ -1,0 +1,393 @@
+"""The PFO server: plans per-instruction GPU clocks for every rank of pipeline-parallel jobs.
+
+``zeus-async pfo-server --bind tcp://127.0.0.1:7787`` (settings from ``ZEUS_PFO_*``, see
+:mod:`.settings`). One ZeroMQ ROUTER socket serves every job (:mod:`.protocol`); each job has
+its own anyio task that drives its scheduler round by round:
+
+1. wait (on an event, not a timer) until all ``world_size`` ranks have registered; dump
+   ``ranks.json``; build the scheduler;
+2. compute the round's schedules (in a worker thread: a planner may take a while, and other
+   jobs keep being served), answer every rank's parked ``get_schedule`` request;
+3. wait for every rank's profiling result; dump ``<n>.sched.json`` / ``<n>.prof.json``
+   (aiofiles); let the scheduler observe them; next round.
+
+A rank's ``get_schedule`` request is simply not answered until its schedule exists: ROUTER
+sockets can answer any request later, so waiting costs no polling on either side. Invalid
+requests (bad fields, unknown job, a rank registered twice, a schedule asked for before the
+last result was reported, ...) get an ``error`` reply with a code; a scheduler failure stops
+that job only, and its ranks get the error. Jobs with no request for ``max_job_idle_time``
+seconds are evicted (their waiting requests get an ``evicted`` error).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import msgspec
+import zmq
+
+from ...bus._endpoints import check_bind_endpoint
+from ...bus._sockets import last_endpoint, poll_in, socket_fd
+from ...errors import ConfigError
+from . import protocol as p
+from .messages import (
+    FrequencySchedule,
+    JobInfo,
+    ProfilingResult,
+    RankInfo,
+    save_prof,
+    save_ranks,
+    save_sched,
+)
+from .schedulers import FrequencyScheduler
+from .settings import PfoSettings
+
+__all__ = ["DEFAULT_ENDPOINT", "PfoServer"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:7787"
+
+_Peer = tuple[bytes, bytes]  # (ROUTER identity, request id)
+
+
+class _Failure(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(eq=False)
+class _Job:
+    info: JobInfo
+    last_active: float
+    ranks: dict[int, RankInfo] = field(default_factory=dict)
+    all_registered: anyio.Event = field(default_factory=anyio.Event)
+    state: str = "registering"  # registering, planning, running, failed
+    round: int = -1
+    schedules: dict[int, FrequencySchedule] = field(default_factory=dict)
+    fetched: set[int] = field(default_factory=set)
+    parked: dict[int, _Peer] = field(default_factory=dict)
+    results: dict[int, ProfilingResult] = field(default_factory=dict)
+    all_fetched: anyio.Event = field(default_factory=anyio.Event)
+    all_reported: anyio.Event = field(default_factory=anyio.Event)
+    error: str = ""
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+
+
+class PfoServer:
+    """The server; ``await server.serve()`` runs it until cancelled.
+
+    Args:
+        settings: Server settings (default: from the environment).
+        endpoint: ZeroMQ endpoint to bind (loopback by default; another host's clients need a
+            routable address).
+        clock: Monotonic seconds, for idle eviction (tests pass a fake one).
+        evict_period_s: How often idle jobs are looked for (default: a tenth of
+            ``max_job_idle_time``, at most 60 s).
+    """
+
+    def __init__(
+        self,
+        settings: PfoSettings | None = None,
+        endpoint: str = DEFAULT_ENDPOINT,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        evict_period_s: float | None = None,
+    ) -> None:
+        self.settings = settings or PfoSettings.from_env()
+        self.scheduler_cls: type[FrequencyScheduler] = self.settings.scheduler_class()
+        self._endpoint = endpoint
+        self._clock = clock
+        idle = self.settings.max_job_idle_time
+        self._evict_period = evict_period_s or min(60.0, idle / 10)
+        self.jobs: dict[str, _Job] = {}
+        self._ctx: zmq.Context[Any] = zmq.Context.instance()
+        self._sock: zmq.Socket[Any] | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self.endpoint: str | None = None
+        self.requests_served = 0
+        self._ready = anyio.Event()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def bind(self) -> str:
+        """Bind the socket (done by :meth:`serve` if not yet); returns the bound endpoint."""
+        if self._sock is None:
+            check_bind_endpoint(self._endpoint, curve=False, require_curve=False, what="pfo-server")
+            sock = self._ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            try:
+                sock.bind(self._endpoint)
+            except zmq.ZMQError as exc:
+                sock.close()
+                raise ConfigError(f"pfo-server: cannot bind {self._endpoint}: {exc}") from None
+            self._sock = sock
+            self.endpoint = last_endpoint(sock)
+            logger.info(
+                "PFO server on %s, scheduler %s", self.endpoint, self.scheduler_cls.__name__
+            )
+        assert self.endpoint is not None
+        return self.endpoint
+
+    async def wait_ready(self) -> str:
+        await self._ready.wait()
+        assert self.endpoint is not None
+        return self.endpoint
+
+    async def serve(self) -> None:
+        """Serve until cancelled; then every waiting request gets a ``shutdown`` error."""
+        self.bind()
+        sock = self._sock
+        assert sock is not None
+        fd = socket_fd(sock)
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self._evict_loop)
+                self._ready.set()
+                while True:
+                    try:
+                        parts = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        if not poll_in(sock):
+                            await anyio.wait_readable(fd)
+                        continue
+                    await self._handle(parts)
+                    await anyio.lowlevel.checkpoint()
+        finally:
+            self._tg = None
+            for job in self.jobs.values():
+                self._fail_parked(job, "shutdown", "the PFO server is stopping")
+            sock.close(linger=0)
+            self._sock = None
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def _send(self, peer: _Peer, reply: p.Reply) -> None:
+        if self._sock is None:
+            return
+        identity, req_id = peer
+        try:
+            self._sock.send_multipart([identity, b"", req_id, p.encoder.encode(reply)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone: ROUTER drops silently; anything else is logged
+            logger.warning("pfo-server: could not reply to a client: %s", exc)
+
+    async def _handle(self, parts: list[bytes]) -> None:
+        self.requests_served += 1
+        # [identity, b"", request_id, payload] (DEALER/REQ envelope)
+        if len(parts) != 4 or parts[1] != b"":
+            if parts:
+                bad: _Peer = (parts[0], parts[-2] if len(parts) >= 3 else b"")
+                self._send(bad, p.ErrorReply(code="bad_request", message="malformed envelope"))
+            return
+        peer: _Peer = (parts[0], parts[2])
+        try:
+            request = p.request_decoder.decode(parts[3])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._send(peer, p.ErrorReply(code="bad_request", message=str(exc)))
+            return
+        try:
+            reply = self._dispatch(request, peer)
+        except _Failure as exc:
+            self._send(peer, p.ErrorReply(code=exc.code, message=str(exc)))
+            return
+        if reply is not None:
+            self._send(peer, reply)
+
+    def _job(self, job_id: str) -> _Job:
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise _Failure("unknown_job", f"no job {job_id!r} on this server")
+        job.last_active = self._clock()
+        if job.state == "failed":
+            raise _Failure("scheduler_error", f"job {job_id!r} failed: {job.error}")
+        return job
+
+    def _dispatch(self, request: p.Request, peer: _Peer) -> p.Reply | None:
+        if isinstance(request, p.RegisterJob):
+            return self._register_job(request.job)
+        if isinstance(request, p.RegisterRank):
+            return self._register_rank(request.job_id, request.rank)
+        if isinstance(request, p.GetSchedule):
+            return self._get_schedule(request.job_id, request.rank, peer)
+        if isinstance(request, p.ReportProfile):
+            return self._report(request.job_id, request.result)
+        return self._info(request.job_id)
+
+    def _register_job(self, info: JobInfo) -> p.Reply:
+        if info.job_id:
+            raise _Failure("bad_request", "job_id must be empty when registering a job")
+        base = info.make_job_id(self.scheduler_cls.__name__, datetime.now())
+        job_id, n = base, 1
+        while job_id in self.jobs:  # same second, same shape: keep ids unique
+            n += 1
+            stamp, _, rest = base.partition("+")
+            job_id = f"{stamp}.{n}+{rest}"
+        info = msgspec.structs.replace(info, job_id=job_id)
+        job = _Job(info=info, last_active=self._clock())
+        self.jobs[job_id] = job
+        assert self._tg is not None
+        self._tg.start_soon(self._run_job, job)
+        logger.info("job %s registered (%d ranks)", job_id, info.world_size)
+        return p.JobRegistered(job_id=job_id)
+
+    def _register_rank(self, job_id: str, rank: RankInfo) -> p.Reply:
+        job = self._job(job_id)
+        try:
+            rank.check_against(job.info)
+        except ValueError as exc:
+            raise _Failure("bad_rank", f"job {job_id}: {exc}") from None
+        if rank.rank in job.ranks:
+            raise _Failure("duplicate", f"job {job_id}: rank {rank.rank} is already registered")
+        job.ranks[rank.rank] = rank
+        if len(job.ranks) == job.info.world_size:
+            job.all_registered.set()
+        return p.Ok()
+
+    def _get_schedule(self, job_id: str, rank: int, peer: _Peer) -> p.Reply | None:
+        job = self._job(job_id)
+        if rank not in job.ranks:
+            raise _Failure("bad_rank", f"job {job_id}: rank {rank} has not registered")
+        if rank in job.parked:
+            raise _Failure("duplicate", f"job {job_id}: rank {rank} is already waiting")
+        if rank in job.fetched and rank not in job.results:
+            raise _Failure(
+                "out_of_order",
+                f"job {job_id}: rank {rank} asked for a new schedule before reporting the "
+                f"profiling result of round {job.round}",
+            )
+        if job.state == "running" and rank not in job.fetched:
+            return self._hand_out(job, rank)
+        job.parked[rank] = peer  # answered when the round's schedules are ready
+        return None
+
+    def _hand_out(self, job: _Job, rank: int) -> p.Reply:
+        job.fetched.add(rank)
+        if len(job.fetched) == job.info.world_size:
+            job.all_fetched.set()
+        return p.ScheduleReply(schedule=job.schedules[rank], round=job.round)
+
+    def _report(self, job_id: str, result: ProfilingResult) -> p.Reply:
+        job = self._job(job_id)
+        if result.rank not in job.ranks:
+            raise _Failure("bad_rank", f"job {job_id}: rank {result.rank} has not registered")
+        if result.rank not in job.fetched:
+            raise _Failure(
+                "out_of_order",
+                f"job {job_id}: rank {result.rank} reported a result without a schedule "
+                f"for round {job.round}",
+            )
+        if result.rank in job.results:
+            raise _Failure(
+                "duplicate", f"job {job_id}: rank {result.rank} already reported round {job.round}"
+            )
+        job.results[result.rank] = result
+        if len(job.results) == job.info.world_size:
+            job.all_reported.set()
+        return p.Ok()
+
+    def _info(self, job_id: str) -> p.Reply:
+        if job_id and job_id not in self.jobs:
+            raise _Failure("unknown_job", f"no job {job_id!r} on this server")
+        now = self._clock()
+        jobs = [
+            p.JobStatus(
+                job_id=j.info.job_id,
+                world_size=j.info.world_size,
+                ranks_registered=len(j.ranks),
+                round=j.round,
+                state=j.state,
+                idle_s=max(0.0, now - j.last_active),
+                error=j.error,
+            )
+            for j in self.jobs.values()
+            if not job_id or j.info.job_id == job_id
+        ]
+        return p.InfoReply(scheduler=self.scheduler_cls.__name__, jobs=jobs)
+
+    # -- per-job task -----------------------------------------------------------------------
+
+    async def _run_job(self, job: _Job) -> None:
+        job_id = job.info.job_id
+        dump = Path(self.settings.dump_dir) / job_id if self.settings.dump_data else None
+        with job.scope:
+            try:
+                await job.all_registered.wait()
+                ranks = [job.ranks[r] for r in sorted(job.ranks)]
+                if dump is not None:
+                    await save_ranks(ranks, dump)
+                job.state = "planning"
+                scheduler = await anyio.to_thread.run_sync(
+                    lambda: self.scheduler_cls(
+                        job.info, ranks, self.settings, **self.settings.scheduler_args
+                    )
+                )
+                while True:
+                    schedules = await anyio.to_thread.run_sync(scheduler.next_schedule)
+                    by_rank = {s.rank: s for s in schedules}
+                    if sorted(by_rank) != list(range(job.info.world_size)):
+                        raise RuntimeError(
+                            f"the scheduler returned schedules for ranks {sorted(by_rank)}, "
+                            f"expected 0..{job.info.world_size - 1}"
+                        )
+                    job.round += 1
+                    job.schedules, job.fetched, job.results = by_rank, set(), {}
+                    job.all_fetched, job.all_reported = anyio.Event(), anyio.Event()
+                    job.state = "running"
+                    for rank, peer in list(job.parked.items()):
+                        del job.parked[rank]
+                        self._send(peer, self._hand_out(job, rank))
+                    await job.all_reported.wait()
+                    results = [job.results[r] for r in sorted(job.results)]
+                    if dump is not None:
+                        await save_sched([by_rank[r] for r in sorted(by_rank)], dump, job.round)
+                        await save_prof(results, dump, job.round)
+                    job.state = "planning"
+                    await anyio.to_thread.run_sync(scheduler.observe, results)
+            except Exception as exc:
+                job.state = "failed"
+                job.error = f"{type(exc).__name__}: {exc}"
+                logger.error(
+                    "job %s: scheduler failed: %s\n%s", job_id, job.error, traceback.format_exc()
+                )
+                self._fail_parked(job, "scheduler_error", f"job {job_id} failed: {job.error}")
+
+    def _fail_parked(self, job: _Job, code: str, message: str) -> None:
+        for peer in job.parked.values():
+            self._send(peer, p.ErrorReply(code=code, message=message))
+        job.parked.clear()
+
+    # -- eviction ---------------------------------------------------------------------------
+
+    def evict_idle(self) -> list[str]:
+        """Evict the jobs idle for longer than ``max_job_idle_time``; returns their ids."""
+        now, limit = self._clock(), self.settings.max_job_idle_time
+        evicted = [
+            jid
+            for jid, j in self.jobs.items()
+            if now - j.last_active > limit and j.state != "planning"  # a plan can take a while
+        ]
+        for job_id in evicted:
+            job = self.jobs.pop(job_id)
+            job.scope.cancel()
+            self._fail_parked(job, "evicted", f"job {job_id} was idle for over {limit:g} s")
+            logger.info("job %s evicted after %.0f s idle", job_id, now - job.last_active)
+        return evicted
+
+    async def _evict_loop(self) -> None:
+        while True:
+            await anyio.sleep(self._evict_period)
+            self.evict_idle()

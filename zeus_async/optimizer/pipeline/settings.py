@@ -1,0 +1,146 @@
+"""PFO server settings, read from ``ZEUS_PFO_*`` environment variables.
+
+=============================  ======================================================  ==========
+variable                       meaning                                                 default
+=============================  ======================================================  ==========
+``ZEUS_PFO_SCHEDULER``         scheduler name (:data:`~.schedulers.SCHEDULERS`), or    PointSolution
+                               ``package.module:Class`` for your own
+``ZEUS_PFO_SCHEDULER_ARGS``    JSON object of extra constructor arguments              ``{}``
+``ZEUS_PFO_LOG_LEVEL``         ``debug``, ``info``, ... (upper-cased)                  INFO
+``ZEUS_PFO_DUMP_DATA``         write ranks, schedules and profiles to ``dump_dir``     true
+``ZEUS_PFO_DUMP_DIR``          where to write them (one folder per job)                ./dump
+``ZEUS_PFO_MAX_JOB_IDLE_TIME`` seconds without a request before a job is evicted       604800
+=============================  ======================================================  ==========
+
+The scheduler arguments are checked against the scheduler's constructor when the settings are
+made, so a typo fails at server start with the constructor's signature in the message, not at
+the first job.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import logging
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from ...errors import ConfigError
+
+if TYPE_CHECKING:
+    from .schedulers import FrequencyScheduler
+
+__all__ = ["ENV_PREFIX", "PfoSettings"]
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "ZEUS_PFO_"
+_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class PfoSettings(msgspec.Struct, kw_only=True, frozen=True):
+    """Validated PFO server settings (see the module docstring); use :meth:`from_env`."""
+
+    scheduler: str = "PointSolution"
+    scheduler_args: dict[str, Any] = {}
+    log_level: str = "INFO"
+    dump_data: bool = True
+    dump_dir: str = "./dump"
+    max_job_idle_time: float = 7 * 24 * 3600.0
+
+    def __post_init__(self) -> None:
+        level = self.log_level.upper()
+        if level not in _LEVELS:
+            raise ConfigError(
+                f"log_level must be one of {', '.join(_LEVELS)}, not {self.log_level!r}"
+            )
+        msgspec.structs.force_setattr(self, "log_level", level)
+        if not self.max_job_idle_time > 0:
+            raise ConfigError(f"max_job_idle_time must be > 0 s, not {self.max_job_idle_time!r}")
+        self.check_scheduler_args(self.scheduler_class())
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> PfoSettings:
+        """Settings from ``ZEUS_PFO_*`` in ``env`` (default ``os.environ``), then ``overrides``.
+
+        Raises:
+            ConfigError: A value that does not parse or validate, naming the variable.
+        """
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for name in cls.__struct_fields__:
+            var = ENV_PREFIX + name.upper()
+            raw = env.get(var)
+            if raw is None:
+                continue
+            values[name] = parse_setting(var, name, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        unknown = set(values) - set(cls.__struct_fields__)
+        if unknown:
+            raise ConfigError(f"unknown PFO setting(s): {', '.join(sorted(unknown))}")
+        try:
+            return msgspec.convert(values, cls)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"invalid PFO settings: {exc}") from None
+
+    def scheduler_class(self) -> type[FrequencyScheduler]:
+        """The scheduler class this setting names."""
+        from .schedulers import SCHEDULERS, FrequencyScheduler
+
+        if ":" in self.scheduler:
+            module_name, _, attr = self.scheduler.partition(":")
+            try:
+                found = getattr(importlib.import_module(module_name), attr)
+            except (ImportError, AttributeError) as exc:
+                raise ConfigError(f"cannot load scheduler {self.scheduler!r}: {exc}") from None
+            if not (isinstance(found, type) and issubclass(found, FrequencyScheduler)):
+                raise ConfigError(f"{self.scheduler!r} is not a FrequencyScheduler subclass")
+            return found
+        try:
+            return SCHEDULERS[self.scheduler]
+        except KeyError:
+            raise ConfigError(
+                f"unknown scheduler {self.scheduler!r}; known: {', '.join(sorted(SCHEDULERS))} "
+                "(or 'package.module:Class')"
+            ) from None
+
+    def check_scheduler_args(self, scheduler: type[FrequencyScheduler]) -> None:
+        """Raise ``ConfigError`` unless ``scheduler_args`` fit ``scheduler``'s constructor."""
+        signature = inspect.signature(scheduler)
+        full = {**self.scheduler_args, "job_info": None, "rank_infos": None, "pfo_settings": None}
+        try:
+            signature.bind(**full)
+        except TypeError as exc:
+            raise ConfigError(
+                f"invalid scheduler_args for {scheduler.__name__}{signature}: {exc}"
+            ) from None
+
+
+def parse_setting(var: str, name: str, raw: str) -> Any:
+    if name == "scheduler_args":
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{var} is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{var} must be a JSON object, got {type(value).__name__}")
+        return value
+    if name == "dump_data":
+        low = raw.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ConfigError(f"{var} must be true or false, not {raw!r}")
+    if name == "max_job_idle_time":
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"{var} must be a number of seconds, not {raw!r}") from None
+    return raw
