@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 import anyio
+import anyio.abc
 
 from .errors import ConfigError
 
 if TYPE_CHECKING:
     from .bus import Subscriber
 
-__all__ = ["stop_on_signals", "wait_for_publisher"]
+__all__ = ["stop_on_signals", "until_stopped", "wait_for_publisher"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +27,20 @@ async def stop_on_signals(scope: anyio.CancelScope) -> None:
         async for _ in signals:
             scope.cancel()
             return
+
+
+@asynccontextmanager
+async def until_stopped(duration: float | None = None) -> AsyncIterator[anyio.abc.TaskGroup]:
+    """A task group for a command's body: cancelled after ``duration`` seconds (when given) or
+    on the first SIGINT/SIGTERM, and ended (with the tasks the body started) when the body
+    returns."""
+    with anyio.CancelScope() as scope:
+        if duration is not None:
+            scope.deadline = anyio.current_time() + duration
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stop_on_signals, scope)
+            yield tg
+            tg.cancel_scope.cancel()
 
 
 async def wait_for_publisher(sub: Subscriber, endpoints: Sequence[str], timeout: float) -> None:

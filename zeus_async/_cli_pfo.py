@@ -8,9 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, TextIO
 
-import anyio
-
-from ._cli_common import stop_on_signals
+from ._cli_common import until_stopped
 from ._cli_store import Command
 
 __all__ = ["COMMANDS", "add_parsers"]
@@ -79,12 +77,8 @@ async def _pfo_server(args: argparse.Namespace, out: TextIO) -> int:
     endpoint = server.bind()
     out.write(f"zeus-async pfo-server: {endpoint} (scheduler {server.scheduler_cls.__name__})\n")
     out.flush()
-    with anyio.CancelScope() as scope:
-        if args.duration is not None:
-            scope.deadline = anyio.current_time() + args.duration
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(stop_on_signals, scope)
-            await server.serve()
+    async with until_stopped(args.duration):
+        await server.serve()
     return 0
 
 

@@ -13,7 +13,7 @@ from typing import Any, TextIO
 import anyio
 
 from ._cli_common import fmt_cell as _fmt
-from ._cli_common import stop_on_signals, wait_for_publisher
+from ._cli_common import until_stopped, wait_for_publisher
 from .events import Event, ProcessSample
 
 logger = logging.getLogger(__name__)
@@ -219,16 +219,12 @@ async def run_exporter(args: argparse.Namespace, out: TextIO, sim_config: Any) -
 
 async def _serve_until_done(args: argparse.Namespace, child: subprocess.Popen[bytes] | None) -> int:
     code = 0
-    with anyio.CancelScope() as scope:
-        if args.duration is not None:
-            scope.deadline = anyio.current_time() + args.duration
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(stop_on_signals, scope)
-            while True:
-                await anyio.sleep(0.2)
-                if child is not None and child.poll() is not None:
-                    code = child.returncode
-                    scope.cancel()
+    async with until_stopped(args.duration):
+        while True:
+            await anyio.sleep(0.2)
+            if child is not None and child.poll() is not None:
+                code = child.returncode
+                break
     return code
 
 
@@ -245,12 +241,7 @@ async def _export_streams(args: argparse.Namespace, out: TextIO) -> int:
                 f"{' '.join(args.connect)}. Ctrl-C to stop.\n"
             )
             out.flush()
-            with anyio.CancelScope() as scope:
-                if args.duration is not None:
-                    scope.deadline = anyio.current_time() + args.duration
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(stop_on_signals, scope)
-                    async for event in sub:
-                        exporter.add((event,))
-                    tg.cancel_scope.cancel()
+            async with until_stopped(args.duration):
+                async for event in sub:
+                    exporter.add((event,))
     return 0

@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 import anyio
 
-from ._cli_common import stop_on_signals, wait_for_publisher
+from ._cli_common import until_stopped, wait_for_publisher
 from .events import Event, event_kind
 
 __all__ = ["COMMANDS", "add_parsers"]
@@ -215,11 +215,8 @@ async def _replay(args: argparse.Namespace, out: TextIO) -> int:
                 while rt.publisher.stats.subscriptions == 0:
                     await anyio.sleep(0.01)
         replayer = Replayer(reader, speed=args.speed, progress=_progress("replaying"))
-        with anyio.CancelScope() as scope:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(stop_on_signals, scope)
-                await replayer.into_runtime(rt)
-                tg.cancel_scope.cancel()
+        async with until_stopped():
+            await replayer.into_runtime(rt)
     out.write(f"replayed {replayer.events_published} events\n")
     out.write("\nTotals\n" + "\n".join(render_totals(totals)) + "\n")
     if windows.results:
@@ -264,20 +261,15 @@ async def _record(args: argparse.Namespace, out: TextIO) -> int:
         out.flush()
         async with anyio.create_task_group() as tg:
             tg.start_soon(recorder.run, batches)
-            with anyio.CancelScope() as scope:
-                if args.duration is not None:
-                    scope.deadline = anyio.current_time() + args.duration
-                async with anyio.create_task_group() as inner:
-                    inner.start_soon(stop_on_signals, scope)
-                    for info in infos:  # the handshake consumed them; keep them in the file
-                        await batches.send(info)
-                        count += 1
-                    async for event in sub:
-                        await batches.send(event)
-                        count += 1
-                        if args.count is not None and count >= args.count:
-                            break
-                    inner.cancel_scope.cancel()
+            async with until_stopped(args.duration):
+                for info in infos:  # the handshake consumed them; keep them in the file
+                    await batches.send(info)
+                    count += 1
+                async for event in sub:
+                    await batches.send(event)
+                    count += 1
+                    if args.count is not None and count >= args.count:
+                        break
             batches.close()
         stats = sub.stats
     out.write(

@@ -32,7 +32,7 @@ import msgspec
 
 from . import _cli_pfo, _cli_processes, _cli_store
 from ._cli_common import fmt_cell as _fmt
-from ._cli_common import stop_on_signals, wait_for_publisher
+from ._cli_common import until_stopped, wait_for_publisher
 from .aggregate import LiveTotals
 from .errors import ZeusAsyncError
 from .events import Event, event_to_dict, event_to_json
@@ -230,27 +230,23 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
             )
             out.flush()
             drawn = 0
-            with anyio.CancelScope() as scope:
-                if args.duration is not None:
-                    scope.deadline = anyio.current_time() + args.duration
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(stop_on_signals, scope)
-                    while True:
-                        await anyio.sleep(args.refresh)
-                        lines = render_table(totals)
-                        table = processes.lines()
-                        if table:
-                            lines += ["", *table]
-                        if tty and drawn:
-                            out.write(f"\x1b[{drawn}F\x1b[J")
-                        out.write("\n".join(lines) + "\n")
-                        if not tty:
-                            out.write("\n")
-                        out.flush()
-                        drawn = len(lines)
-                        if child is not None and child.poll() is not None:
-                            code = child.returncode
-                            scope.cancel()
+            async with until_stopped(args.duration):
+                while True:
+                    await anyio.sleep(args.refresh)
+                    lines = render_table(totals)
+                    table = processes.lines()
+                    if table:
+                        lines += ["", *table]
+                    if tty and drawn:
+                        out.write(f"\x1b[{drawn}F\x1b[J")
+                    out.write("\n".join(lines) + "\n")
+                    if not tty:
+                        out.write("\n")
+                    out.flush()
+                    drawn = len(lines)
+                    if child is not None and child.poll() is not None:
+                        code = child.returncode
+                        break
     finally:
         if child is not None and child.poll() is None:
             child.terminate()
@@ -291,22 +287,16 @@ async def _subscribe(args: argparse.Namespace, out: TextIO) -> int:
     count = 0
     async with Subscriber(args.endpoints, topics=topics) as sub:
         await wait_for_publisher(sub, args.endpoints, args.wait)
-        with anyio.CancelScope() as scope:
-            if args.duration is not None:
-                scope.deadline = anyio.current_time() + args.duration
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(stop_on_signals, scope)
-                async for event in sub:
-                    if args.json:
-                        out.write(event_to_json(event).decode() + "\n")
-                    else:
-                        out.write(format_event(event) + "\n")
-                    out.flush()
-                    count += 1
-                    if args.count is not None and count >= args.count:
-                        scope.cancel()
-                        break
-                tg.cancel_scope.cancel()
+        async with until_stopped(args.duration):
+            async for event in sub:
+                if args.json:
+                    out.write(event_to_json(event).decode() + "\n")
+                else:
+                    out.write(format_event(event) + "\n")
+                out.flush()
+                count += 1
+                if args.count is not None and count >= args.count:
+                    break
         stats = sub.stats
     logger.info("received %d event(s); %d frame(s) lost", count, stats.frames_lost)
     if stats.frames_lost:
@@ -320,14 +310,11 @@ async def _subscribe(args: argparse.Namespace, out: TextIO) -> int:
 async def _proxy(args: argparse.Namespace, out: TextIO) -> int:
     from .bus import run_proxy
 
-    with anyio.CancelScope() as scope:
-        if args.duration is not None:
-            scope.deadline = anyio.current_time() + args.duration
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(stop_on_signals, scope)
-            await tg.start(run_proxy, args.inputs, args.output)
-            out.write(f"zeus-async proxy: {' '.join(args.inputs)} -> {args.output}\n")
-            out.flush()
+    async with until_stopped(args.duration) as tg:
+        await tg.start(run_proxy, args.inputs, args.output)
+        out.write(f"zeus-async proxy: {' '.join(args.inputs)} -> {args.output}\n")
+        out.flush()
+        await anyio.sleep_forever()
     return EXIT_OK
 
 
