@@ -58,6 +58,10 @@ class SignalRestorer:
             signal.signal(sig, self.on_signal)
 
     def uninstall(self) -> None:
+        """Put the previous handlers back (from the main thread; elsewhere, nothing to do:
+        handlers were only installed from there, and ``signal.signal`` only works there)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
         for sig, previous in self._previous.items():
             if signal.getsignal(sig) == self.on_signal:
                 signal.signal(sig, previous)

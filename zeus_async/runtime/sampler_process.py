@@ -179,7 +179,9 @@ class SamplerProcess:
         self._pending: dict[int, WindowResult] = {}
         self._controls: dict[int, Future[Any]] = {}
         self._control_seq = 0
-        self._pending_lock = threading.Lock()
+        # Reentrant: a signal handler may restore limits or clocks (a control request) while
+        # the code it interrupted on this thread holds the lock.
+        self._pending_lock = threading.RLock()
         self._stopped = False
         self._failure: str | None = None
         sim_json = None

@@ -200,3 +200,45 @@ def test_registration_errors_are_clear(tmp_path: Path) -> None:
         PfoClient("tcp://127.0.0.1:9", timeout_s=0.3).info()
     with pytest.raises(ConfigError, match="tcp://host:port"):
         PfoClient("localhost:7787")
+
+
+def test_a_reset_controller_never_locks_the_clock_again() -> None:
+    mon = _SlowMonitor()
+    ctl = FrequencyController(mon, 0)  # type: ignore[arg-type]
+    ctl.set_frequency(1500)
+    ctl.set_frequency(1200)  # waits behind 1500
+    ctl.reset()  # e.g. SIGTERM: handed off after 1500, so applied after it
+    mon.futures[0].set_result([])  # 1500 lands late: 1200 must not follow the reset
+    ctl.set_frequency(990)  # training went on after the signal
+    assert mon.calls == [1500, None]
+
+
+def test_close_after_a_signal_and_from_another_thread_leaves_clocks_reset(tmp_path: Path) -> None:
+    args = {"solution_path": _plan(tmp_path)}
+    with running_server(tmp_path, scheduler="PointSolution", scheduler_args=args) as (_, ep):
+        monitor = Monitor(
+            backend="sim", sampler="thread", gpu_indices=[0], sync_execution_with=None
+        )
+        node = sim_pynvml.current_node()
+        assert node is not None
+        pfo = PipelineFrequencyOptimizer(
+            rank=0, dp_rank=0, pp_rank=0, tp_rank=0, device_id=0, dp_degree=1, pp_degree=1,
+            tp_degree=1, world_size=1, server_url=ep, monitor=monitor, restore_on_signals=True,
+        )  # fmt: skip
+        pfo.on_step_begin()
+        pfo.on_instruction_begin("forward")
+        closer = threading.Thread(target=pfo.close)  # e.g. a framework's shutdown hook
+        closer.start()
+        closer.join(30)
+        assert node.gpus[0].locked_sm_clocks_mhz is None
+        # training finishes its step after the close: nothing locks the clock again
+        pfo.on_instruction_end("forward")
+        pfo.on_instruction_begin("forward")
+        pfo.on_instruction_end("forward")
+        pfo.on_instruction_begin("backward")
+        pfo.on_instruction_end("backward")
+        pfo.on_step_end()
+        threading.Event().wait(0.1)
+        assert node.gpus[0].locked_sm_clocks_mhz is None
+        pfo.close()
+        monitor.close()

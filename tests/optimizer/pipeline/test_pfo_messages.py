@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from datetime import datetime
 from pathlib import Path
 
@@ -33,10 +34,14 @@ from zeus_async.optimizer.pipeline import (
 )
 from zeus_async.optimizer.pipeline.schedulers import FrequencyScheduler, ScheduleGen
 
+#: A valid plan file: the default scheduler (PointSolution) checks its plan at start.
+PLAN = Path(tempfile.mkdtemp(prefix="pfo-test-")) / "plan.json"
+PLAN.write_text('[[["forward", 1980]]]')
+
 
 def _settings(**kwargs: object) -> PfoSettings:
     """Settings for schedulers built directly (the default scheduler needs a plan path)."""
-    return PfoSettings(scheduler_args={"solution_path": "unused.json"}, **kwargs)  # type: ignore[arg-type]
+    return PfoSettings(scheduler_args={"solution_path": str(PLAN)}, **kwargs)  # type: ignore[arg-type]
 
 
 def test_job_info_validation_and_id() -> None:
@@ -190,7 +195,9 @@ def test_settings_from_env() -> None:
     )
     assert s.scheduler_args == {"num_microbatches": 4, "patience": 3}
     assert s.scheduler_class() is InstructionProfiler
-    default = PfoSettings.from_env({"ZEUS_PFO_SCHEDULER_ARGS": '{"solution_path": "p.json"}'})
+    default = PfoSettings.from_env(
+        {"ZEUS_PFO_SCHEDULER_ARGS": json.dumps({"solution_path": str(PLAN)})}
+    )
     assert (default.scheduler, default.log_level, default.dump_data) == (
         "PointSolution",
         "INFO",
@@ -370,3 +377,25 @@ def test_instruction_profiler_rounds_without_a_server(tmp_path: Path) -> None:
         InstructionProfiler(job, ranks, settings, num_microbatches=0)
     with pytest.raises(ConfigError):
         InstructionProfiler(job, ranks, settings, num_microbatches=2, pipeline="zigzag")
+
+
+def test_3d_schedulers_check_the_wrapped_constructor_and_plans_at_start(tmp_path: Path) -> None:
+    for name in ("PointSolution3D", "FrontierPlanner3D"):
+        env = {"ZEUS_PFO_SCHEDULER": name, "ZEUS_PFO_SCHEDULER_ARGS": '{"solution_pth": "x"}'}
+        with pytest.raises(ConfigError, match=f"invalid scheduler_args for {name}"):
+            PfoSettings.from_env(env)
+    missing = {"ZEUS_PFO_SCHEDULER_ARGS": json.dumps({"solution_path": str(tmp_path / "no.json")})}
+    with pytest.raises(ConfigError, match="plan file not found"):
+        PfoSettings.from_env(missing)
+    odd = tmp_path / "odd.py"
+    odd.write_text("{[1]: 2}")  # a literal that raises TypeError when evaluated
+    with pytest.raises(ConfigError, match="not a JSON or Python literal plan"):
+        read_plan(odd)
+
+
+def test_profiler_refuses_a_minimum_above_every_clock() -> None:
+    job = JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1, job_id="j")
+    ranks = [RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=[900, 1200])]
+    prof = InstructionProfiler(job, ranks, _settings(), num_microbatches=1, minimum_frequency=2000)
+    with pytest.raises(ValueError, match="no available clock is >= minimum_frequency 2000"):
+        prof.next_schedule()

@@ -60,22 +60,29 @@ def test_point_solution_rounds_and_dumps(tmp_path: Path) -> None:
         assert job_id.endswith("+dp1+pp2+tp1+PointSolution")
         c0.register_rank(job_id, _rank(0, 0))
         c1.register_rank(job_id, _rank(1, 1))
-        for round_num in range(2):
-            replies = [c.get_schedule(job_id, r) for r, c in enumerate((c0, c1))]
-            assert [r.round for r in replies] == [round_num, round_num]
-            assert replies[1].schedule.frequencies == [("forward", 1700), ("backward", 1600)]
-            for r, c in enumerate((c0, c1)):
-                c.report(job_id, result_for(replies[r].schedule))
+        replies = [c.get_schedule(job_id, r) for r, c in enumerate((c0, c1))]
+        assert [(r.round, r.final) for r in replies] == [(0, False), (0, False)]
+        assert replies[1].schedule.frequencies == [("forward", 1700), ("backward", 1600)]
+        for r, c in enumerate((c0, c1)):
+            c.report(job_id, result_for(replies[r].schedule))
+        # PointSolution has nothing more to learn: round 1 is the same plan, marked final
+        finals = [c.get_schedule(job_id, r) for r, c in enumerate((c0, c1))]
+        assert [(r.round, r.final) for r in finals] == [(1, True), (1, True)]
+        assert finals[1].schedule == replies[1].schedule
+        again = c1.get_schedule(job_id, 1)  # asked again (a restarted rank): the same answer
+        assert (again.round, again.final, again.schedule) == (1, True, replies[1].schedule)
+        with pytest.raises(PfoServerError, match=r"out_of_order: .*final"):
+            c0.report(job_id, result_for(finals[0].schedule))
         info = c0.info(job_id)
         assert info.scheduler == "PointSolution"
-        assert [(j.job_id, j.ranks_registered, j.world_size) for j in info.jobs] == [(job_id, 2, 2)]
-        assert info.jobs[0].state in ("planning", "running") and info.jobs[0].round >= 1
-        # the third round is served as well (the plan repeats)
-        assert c0.get_schedule(job_id, 0).round == 2
+        status = [(j.job_id, j.ranks_registered, j.world_size, j.state, j.round) for j in info.jobs]
+        assert status == [(job_id, 2, 2, "done", 1)]
     dump = tmp_path / "dump" / job_id
     assert [r.rank for r in load_ranks(dump)] == [0, 1]
     assert load_sched(dump, 0)[0].frequencies == [("forward", 1800), ("backward", 1600)]
-    assert load_prof(dump, 1)[1] == result_for(load_sched(dump, 1)[1])
+    assert load_sched(dump, 1) == load_sched(dump, 0)
+    assert load_prof(dump, 0)[1] == result_for(load_sched(dump, 0)[1])
+    assert not (dump / "1.prof.json").exists()
 
 
 def test_error_replies_and_server_keeps_serving(tmp_path: Path) -> None:
@@ -198,11 +205,15 @@ def _catch(errors: list[BaseException], func: object, *args: object) -> None:
 
 
 def _drive(c: PfoClient, job: str, world: int, rounds: int) -> list[list[tuple[str, int]]]:
-    """Run ``rounds`` rounds for every rank from one client; returns rank 0's schedules."""
+    """Run rounds for every rank from one client until the final schedule (at most
+    ``rounds``); returns rank 0's schedules."""
     seen = []
     for _ in range(rounds):
         replies = [c.get_schedule(job, r) for r in range(world)]
         seen.append(replies[0].schedule.frequencies)
+        if replies[0].final:
+            assert all(r.final for r in replies)
+            break
         for reply in replies:
             c.report(job, result_for(reply.schedule))
     return seen
@@ -218,7 +229,7 @@ def test_instruction_profiler_3d_sweeps_down_and_stops_when_energy_rises(tmp_pat
         job = c.register_job(JobInfo(pp_degree=2, dp_degree=2, tp_degree=1, world_size=4))
         for r in range(4):  # rank = dp * pp + pp_rank
             c.register_rank(job, _rank(r, r % 2, r // 2))
-        seen = _drive(c, job, 4, 8)
+        seen = _drive(c, job, 4, 20)
     # stage 0 of 1F1B with 2 stages, 2 microbatches: F0 F1 B0 B1
     assert [name for name, _ in seen[0]] == ["forward", "forward", "backward", "backward"]
     fwd = [s[0][1] for s in seen]
@@ -240,7 +251,7 @@ def test_frontier_planner_serves_a_plan_no_slower_than_max_clocks(tmp_path: Path
         job = c.register_job(JobInfo(pp_degree=2, dp_degree=2, tp_degree=1, world_size=4))
         for r in range(4):
             c.register_rank(job, _rank(r, r % 2, r // 2))
-        seen = _drive(c, job, 4, 9)
+        seen = _drive(c, job, 4, 20)
         final = [c.get_schedule(job, r).schedule for r in range(4)]
     plan = read_plan(tmp_path / "dump" / job / "plan.json")
     assert [s.frequencies for s in final] == [plan[r % 2] for r in range(4)]
@@ -274,3 +285,72 @@ def test_request_ids_pair_replies_with_requests(tmp_path: Path) -> None:
         assert sock.poll(5000)
         assert sock.recv_multipart()[1] == rid
         sock.close(linger=0)
+
+
+def test_eviction_counts_hand_outs_as_activity(tmp_path: Path) -> None:
+    """A job whose ranks waited through a long planning phase is not evicted right after."""
+    clock = FakeClock()
+    args = {"solution_path": _plan_file(tmp_path, 2)}
+    with running_server(
+        tmp_path, clock, scheduler="PointSolution", scheduler_args=args, max_job_idle_time=60
+    ) as (srv, ep):
+        c0, c1 = clients(ep, 2)
+        job = c0.register_job(JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2))
+        c0.register_rank(job, _rank(0, 0))
+        c1.register_rank(job, _rank(1, 1))
+        clock.now += 3600  # e.g. a long plan: no request for an hour
+        sched = c0.get_schedule(job, 0).schedule  # handed out now
+        assert srv.call(srv.evict_idle) == []
+        c0.report(job, result_for(sched))
+        clock.now += 59
+        assert srv.call(srv.evict_idle) == []
+        clock.now += 2
+        assert srv.call(srv.evict_idle) == [job]
+
+
+def test_reports_that_do_not_match_the_schedule_are_refused(tmp_path: Path) -> None:
+    args = {"solution_path": _plan_file(tmp_path, 1)}
+    with running_server(tmp_path, scheduler="PointSolution", scheduler_args=args) as (_, ep):
+        (c,) = clients(ep, 1)
+        job = c.register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
+        c.register_rank(job, _rank(0, 0))
+        sched = c.get_schedule(job, 0).schedule  # forward, backward
+        good = result_for(sched, iters=2)
+
+        def bad(**changes: object) -> str:
+            with pytest.raises(PfoServerError) as err:
+                c.report(job, msgspec.structs.replace(good, **changes))
+            assert err.value.code == "bad_request"
+            return str(err.value)
+
+        assert "times instructions ['forward'], the schedule has ['backward', 'forward']" in bad(
+            time_breakdown={"forward": good.time_breakdown["forward"]},
+            energy_breakdown={"forward": good.energy_breakdown["forward"]},
+        )
+        assert "timed in 1 iterations, not 2" in bad(
+            time_breakdown={k: v[:1] for k, v in good.time_breakdown.items()},
+            energy_breakdown={k: v[:1] for k, v in good.energy_breakdown.items()},
+        )
+        assert "an iteration times 2 'forward', the schedule has 1" in bad(
+            time_breakdown={k: [v[0] * 2, v[1]] for k, v in good.time_breakdown.items()},
+            energy_breakdown={k: [v[0] * 2, v[1]] for k, v in good.energy_breakdown.items()},
+        )
+        zero = {k: [[0.0], [0.0]] for k in good.time_breakdown}
+        assert "time is not positive" in bad(time_breakdown=zero)
+        c.report(job, good)  # the valid one is still accepted
+
+
+def test_job_metadata_must_be_safe_in_a_path(tmp_path: Path) -> None:
+    args = {"solution_path": _plan_file(tmp_path, 1)}
+    with running_server(tmp_path, scheduler="PointSolution", scheduler_args=args) as (_, ep):
+        (c,) = clients(ep, 1)
+        for meta in ("a\x00b", "x" * 101, "back\\slash"):
+            job = {"pp_degree": 1, "dp_degree": 1, "tp_degree": 1, "world_size": 1}
+            raw = msgspec.msgpack.encode(
+                {"type": "register_job", "job": {**job, "job_metadata": meta}}
+            )
+            reply = _raw(ep, raw)
+            assert isinstance(reply, p.ErrorReply) and reply.code == "bad_request", meta
+            assert "job_metadata" in reply.message
+        ok = JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1, job_metadata="gpt-3 b32")
+        assert c.register_job(ok).endswith("+gpt-3 b32")

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from ..._exit import SignalRestorer, call_at_exit
-from ...errors import ConfigError, ZeusAsyncError
+from ...errors import ConfigError, NoPermissionError, NotSupportedError, ZeusAsyncError
 from . import protocol as p
 from .messages import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
 
@@ -174,16 +174,23 @@ class FrequencyController:
     ``set_frequency`` costs the caller a lock and, when no change is in flight, one hand-off
     to the monitor's runtime (``Monitor.set_sm_clocks``). While a change is in flight, newer
     requests only replace the target; when it lands, the newest target (if different) is sent.
+    Requests are handed off under the lock, and the runtime applies them in order, so after
+    :meth:`reset` no earlier request can lock the clock again; a reset controller ignores
+    further requests. A permission or support error stops further attempts (logged once).
+    The lock is reentrant: a signal handler that resets the clock on the thread that was
+    interrupted inside ``set_frequency`` does not deadlock.
     """
 
     def __init__(self, monitor: Monitor, gpu: int) -> None:
         self._monitor = monitor
         self._gpu = gpu
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._wanted: int | None = None
         self._sent: int | None = None
         self._inflight = False
         self._warned = False
+        self._closed = False
+        self._disabled = False
         #: The clock last confirmed set (MHz).
         self.applied: int | None = None
         self.changes = 0
@@ -193,14 +200,17 @@ class FrequencyController:
         if mhz <= 0:
             return
         with self._lock:
+            if self._closed or self._disabled:
+                return
             self._wanted = mhz
             if self._inflight or mhz == self._sent:
                 return
             self._inflight = True
             self._sent = mhz
-        self._submit(mhz)
+            self._submit(mhz)
 
     def _submit(self, mhz: int) -> None:
+        # Called with the lock held, so submissions (and a reset) reach the runtime in order.
         try:
             future = self._monitor.set_sm_clocks(mhz, [self._gpu], source=SOURCE)
         except Exception as exc:
@@ -214,6 +224,8 @@ class FrequencyController:
             self._sent = None
             first = not self._warned
             self._warned = True
+            if isinstance(exc, (NoPermissionError, NotSupportedError)):
+                self._disabled = True
         if first:
             logger.warning("could not set the SM clock of GPU %d: %s", self._gpu, exc)
 
@@ -223,6 +235,8 @@ class FrequencyController:
             self._failed(exc)
             return
         with self._lock:
+            if self._closed:
+                return
             self.applied = mhz
             self.changes += 1
             wanted = self._wanted
@@ -230,15 +244,15 @@ class FrequencyController:
                 self._inflight = False
                 return
             self._sent = wanted
-        self._submit(wanted)
+            self._submit(wanted)
 
     def reset(self, timeout_s: float = 10.0) -> None:
-        """Reset the clock to the driver's default (waits for it)."""
+        """Reset the clock to the driver's default (waits for it); later requests are ignored."""
         with self._lock:
+            self._closed = True
             self._wanted = self._sent = None
-        self._monitor.set_sm_clocks(None, [self._gpu], source=f"{SOURCE}: reset").result(
-            timeout=timeout_s
-        )
+            future = self._monitor.set_sm_clocks(None, [self._gpu], source=f"{SOURCE}: reset")
+        future.result(timeout=timeout_s)
         self.applied = None
 
 
@@ -293,23 +307,44 @@ class PipelineFrequencyOptimizer:
         self.device_id = device_id
         self.warmup_iters, self.profile_iters = warmup_iters, profile_iters
         self._timeout = timeout_s
-        self._client = PfoClient(server_url, timeout_s=timeout_s)
-        self.job_id = self._register_job(
-            JobInfo(
-                pp_degree=pp_degree,
-                dp_degree=dp_degree,
-                tp_degree=tp_degree,
-                world_size=world_size,
-                job_metadata=job_metadata,
-            ),
-            world_size,
+        self._closed = False
+        job = JobInfo(
+            pp_degree=pp_degree,
+            dp_degree=dp_degree,
+            tp_degree=tp_degree,
+            world_size=world_size,
+            job_metadata=job_metadata,
         )
+        self._client = PfoClient(server_url, timeout_s=timeout_s)
         self._own_monitor = monitor is None
-        if monitor is None:
-            from ...monitor import Monitor
+        try:
+            self.job_id = self._register_job(job, world_size)
+            if monitor is None:
+                from ...monitor import Monitor
 
-            monitor = Monitor(gpu_indices=[device_id])
-        self.monitor = monitor
+                monitor = Monitor(gpu_indices=[device_id])
+            self.monitor = monitor
+            self._start(monitor, device_id, rank, dp_rank, pp_rank, tp_rank, timeout_s)
+        except BaseException:
+            self._client.close()
+            if self._own_monitor and monitor is not None:
+                monitor.close()
+            raise
+        self._signals = SignalRestorer(self.close, "resetting GPU clocks")
+        if restore_on_signals:
+            self._signals.install()
+        call_at_exit(self.close)
+
+    def _start(
+        self,
+        monitor: Monitor,
+        device_id: int,
+        rank: int,
+        dp_rank: int,
+        pp_rank: int,
+        tp_rank: int,
+        timeout_s: float,
+    ) -> None:
         devices = {int(d.key.split(":")[1]): d for d in monitor.gpu_devices}
         if device_id not in devices:
             raise ConfigError(f"GPU {device_id} is not measured by the monitor ({sorted(devices)})")
@@ -331,25 +366,21 @@ class PipelineFrequencyOptimizer:
         self.schedule: FrequencySchedule = first.schedule
         #: Round number of the schedule in force.
         self.round = first.round
+        #: Whether the schedule in force is the scheduler's last (no more profiling).
+        self.final = first.final
         self._pos = 0
         self._in_step = False
         self._iters_run = 0
         self._collected: list[_Iteration] = []
         self._current: _Iteration | None = None
-        self._pending: FrequencySchedule | None = None
-        self._pending_round = 0
+        self._pending: p.ScheduleReply | None = None
         self._next_lock = threading.Lock()
         self._work: queue.SimpleQueue[list[_Iteration] | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
-        self._closed = False
         self._worker = threading.Thread(
             target=self._report_loop, name=f"zeus-async-pfo-{rank}", daemon=True
         )
         self._worker.start()
-        self._signals = SignalRestorer(self.close, "resetting GPU clocks")
-        if restore_on_signals:
-            self._signals.install()
-        call_at_exit(self.close)
 
     def _register_job(self, job: JobInfo, world_size: int) -> str:
         job_id: str | None = None
@@ -385,12 +416,16 @@ class PipelineFrequencyOptimizer:
         self._check()
         with self._next_lock:
             if self._pending is not None:
-                self.schedule, self.round = self._pending, self._pending_round
-                self._pending = None
+                reply, self._pending = self._pending, None
+                self.schedule, self.round, self.final = reply.schedule, reply.round, reply.final
                 self._iters_run = 0
         self._pos = 0
         self._in_step = True
-        profiling = self.warmup_iters <= self._iters_run < self.warmup_iters + self.profile_iters
+        profiling = (
+            not self.final
+            and not self._closed
+            and self.warmup_iters <= self._iters_run < self.warmup_iters + self.profile_iters
+        )
         self._current = None
         if profiling:
             self.monitor.begin_window("pfo:iteration", sync_execution=True, restart=True)
@@ -411,6 +446,8 @@ class PipelineFrequencyOptimizer:
                 f"instruction {self._pos} of the iteration should be {expected!r}, not {name!r}"
             )
         self._pos += 1
+        if self._closed:
+            return
         if self._current is not None:
             self.monitor.begin_window(f"pfo:{name}", sync_execution=True, restart=True)
         else:
@@ -446,8 +483,16 @@ class PipelineFrequencyOptimizer:
 
     # -- background -------------------------------------------------------------------------
 
+    def _energy(self, window: WindowResult) -> float:
+        energy = window.gpu_energy.get(self.device_id)
+        if energy is None:  # the GPU was lost during the window: no figure to report
+            raise RuntimeError(
+                f"window {window.name!r} has no energy for GPU {self.device_id} "
+                f"({window.methods.get(f'gpu:{self.device_id}', 'not measured')})"
+            )
+        return energy
+
     def _result(self, batch: Sequence[_Iteration]) -> ProfilingResult:
-        gpu = self.device_id
         time_b: dict[str, list[list[float]]] = {}
         energy_b: dict[str, list[list[float]]] = {}
         for it in batch:
@@ -455,7 +500,7 @@ class PipelineFrequencyOptimizer:
             per_e: dict[str, list[float]] = {}
             for name, w in it.instructions:
                 per_t.setdefault(name, []).append(w.time)
-                per_e.setdefault(name, []).append(w.gpu_energy.get(gpu, 0.0))
+                per_e.setdefault(name, []).append(self._energy(w))
             for name in set(per_t) | set(time_b):
                 time_b.setdefault(name, []).append(per_t.get(name, []))
                 energy_b.setdefault(name, []).append(per_e.get(name, []))
@@ -463,7 +508,7 @@ class PipelineFrequencyOptimizer:
         return ProfilingResult(
             rank=self.rank,
             iter_time=[w.time for w in windows],
-            iter_energy=[w.gpu_energy.get(gpu, 0.0) for w in windows],
+            iter_energy=[self._energy(w) for w in windows],
             time_breakdown=time_b,
             energy_breakdown=energy_b,
         )
@@ -484,7 +529,7 @@ class PipelineFrequencyOptimizer:
                 self._error = exc
                 return
             with self._next_lock:
-                self._pending, self._pending_round = reply.schedule, reply.round
+                self._pending = reply
             logger.debug("rank %d: schedule of round %d received", self.rank, reply.round)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -494,14 +539,15 @@ class PipelineFrequencyOptimizer:
         if self._closed:
             return
         self._closed = True
-        self._signals.uninstall()
-        self._work.put(None)
-        self._client.cancelled.set()
-        self._worker.join(timeout=5.0)
         try:
             self.controller.reset()
         except Exception as exc:  # the monitor may be gone already at interpreter exit
             logger.warning("could not reset the SM clock of GPU %d: %s", self.device_id, exc)
+        self._signals.uninstall()
+        self._work.put(None)
+        self._client.cancelled.set()
+        if threading.current_thread() is not self._worker:
+            self._worker.join(timeout=5.0)
         self._client.close()
         if self._own_monitor:
             self.monitor.close()

@@ -11,7 +11,9 @@ request             reply                                 when
 ``register_rank``   ``ok``                                every rank, once
 ``get_schedule``    ``schedule``                          every rank, each round; answered when
                                                           the round's schedules are ready (the
-                                                          request waits on the server, no polling)
+                                                          request waits on the server, no polling);
+                                                          ``final``: the last schedule, run it
+                                                          from then on and report no more
 ``report``          ``ok``                                every rank, after running a schedule
 ``info``            ``info``                              any time (``job_id`` "" = all jobs)
 ==================  ====================================  =========================================
@@ -89,6 +91,8 @@ class ScheduleReply(msgspec.Struct, tag="schedule", **_OPTS):
     schedule: FrequencySchedule
     #: Round number (0 for the first schedule).
     round: int
+    #: The scheduler's last schedule: run it for the rest of training, report nothing more.
+    final: bool = False
 
 
 class JobStatus(msgspec.Struct, kw_only=True):

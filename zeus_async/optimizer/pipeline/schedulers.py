@@ -9,7 +9,8 @@ requests of other jobs.
 
 * :class:`PointSolution` serves a plan read from a file.
 * :class:`InstructionProfiler` sweeps each stage's forward and backward clocks downwards, one
-  clock per round, and stops a sweep once its energy has risen ``patience`` rounds in a row;
+  clock per round, and stops a sweep once its energy has not improved for ``patience`` rounds
+  in a row;
   the result is an :class:`InstructionProfilingResult` (also written as CSV).
 * :class:`FrontierPlanner` profiles like :class:`InstructionProfiler`, then plans the whole
   iteration with :mod:`.planner` (Perseus's time-energy frontier) and serves the plan for a
@@ -21,12 +22,12 @@ requests of other jobs.
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Sequence
-from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,8 @@ class FrequencyScheduler(ABC):
         self.pfo_settings = pfo_settings
         self._generator = self._run()
         self._next_schedule: list[FrequencySchedule] | None = None
+        #: Set once ``_run`` has ended: :meth:`next_schedule` is final from then on.
+        self.finished = False
 
     @property
     def dump_dir(self) -> Path:
@@ -87,8 +90,10 @@ class FrequencyScheduler(ABC):
 
     def observe(self, profiling_results: list[ProfilingResult]) -> None:
         """Take the results of the last round (any rank order); prepares the next round."""
-        with suppress(StopIteration):
+        try:
             self._next_schedule = self._generator.send(profiling_results)
+        except StopIteration:
+            self.finished = True
 
     def next_schedule(self) -> list[FrequencySchedule]:
         """The schedules of the next round (one per rank; the last one again once done)."""
@@ -105,6 +110,15 @@ class FrequencyScheduler(ABC):
     def _run(self) -> ScheduleGen:
         """Yield each round's schedules; each ``yield`` returns that round's results."""
 
+    @classmethod
+    def validate_args(cls, **scheduler_args: Any) -> None:
+        """Check ``scheduler_args`` when the server starts (beyond the signature).
+
+        Raises:
+            ConfigError: The arguments cannot work (a plan file that does not parse, ...).
+        """
+        return None
+
 
 def _aggregate(results: Sequence[ProfilingResult], stage: int) -> ProfilingResult:
     """One result for a stage: times are the slowest replica's, energies the replicas' sum."""
@@ -118,6 +132,19 @@ def _aggregate(results: Sequence[ProfilingResult], stage: int) -> ProfilingResul
         rows: Sequence[Sequence[Sequence[float]]], fun: Callable[[Sequence[float]], float]
     ) -> list[list[float]]:
         return [agg(vals, fun) for vals in zip(*rows, strict=True)]
+
+    # Replicas may have profiled different numbers of iterations: merge the common ones.
+    n = min(len(r.iter_time) for r in results)
+    results = [
+        msgspec.structs.replace(
+            r,
+            iter_time=r.iter_time[:n],
+            iter_energy=r.iter_energy[:n],
+            time_breakdown={k: v[:n] for k, v in r.time_breakdown.items()},
+            energy_breakdown={k: v[:n] for k, v in r.energy_breakdown.items()},
+        )
+        for r in results
+    ]
 
     try:
         keys = set(results[0].time_breakdown)
@@ -193,6 +220,8 @@ def make_3d_parallel(
             return out
 
     Wrapper.__name__ = Wrapper.__qualname__ = name or (sched_cls.__name__ + "3D")
+    # Settings check scheduler_args against this signature: the wrapped class's, not *args.
+    Wrapper.__signature__ = inspect.signature(sched_cls)
     if sched_cls.__doc__ is not None:
         Wrapper.__doc__ = "[Wrapped for 3D parallelism] " + sched_cls.__doc__
     return Wrapper
@@ -218,7 +247,7 @@ def read_plan(path: str | Path) -> _Plan:
     text = p.read_text(encoding="utf-8")
     try:
         raw: Any = json.loads(text) if p.suffix == ".json" else ast.literal_eval(text)
-    except (ValueError, SyntaxError, MemoryError, RecursionError) as exc:
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as exc:
         raise ConfigError(f"{p}: not a JSON or Python literal plan: {exc}") from None
     try:
         plan = msgspec.convert(raw, list[list[tuple[str, int]]])
@@ -241,6 +270,10 @@ def write_plan(path: str | Path, schedules: Sequence[FrequencySchedule]) -> None
 
 class PointSolution(FrequencyScheduler):
     """Serves the plan in ``solution_path`` (see :func:`read_plan`), one entry per rank."""
+
+    @classmethod
+    def validate_args(cls, **scheduler_args: Any) -> None:
+        read_plan(scheduler_args["solution_path"])
 
     def __init__(
         self,
@@ -385,6 +418,12 @@ class InstructionProfiler(FrequencyScheduler):
         for stage, info in stages.items():
             freqs = sorted(set(info.available_frequencies), reverse=True)[:: self.frequency_step]
             freqs = [f for f in freqs if f >= self.minimum_frequency]
+            if not freqs:
+                raise ValueError(
+                    f"pipeline stage {stage}: no available clock is >= minimum_frequency "
+                    f"{self.minimum_frequency} MHz (the GPU has {min(info.available_frequencies)}"
+                    f"..{max(info.available_frequencies)})"
+                )
             for instr in ("forward", "backward"):
                 sweeps[(stage, instr)] = _Sweep(freqs, self.patience)
         idle_t = idle_e = 0.0

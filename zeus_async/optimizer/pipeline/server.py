@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -59,6 +60,30 @@ logger = logging.getLogger(__name__)
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7787"
 
 _Peer = tuple[bytes, bytes]  # (ROUTER identity, request id)
+_MAX_METADATA = 100
+
+
+def _check_result(result: ProfilingResult, schedule: FrequencySchedule) -> str:
+    """Why ``result`` cannot be a measurement of ``schedule`` ("" when it can)."""
+    if not result.time_breakdown:
+        return ""  # iteration figures only: accepted (a scheduler may need more, and says so)
+    expected = Counter(name for name, _ in schedule.frequencies)
+    if set(result.time_breakdown) != set(expected):
+        return (
+            f"the result times instructions {sorted(result.time_breakdown)}, the schedule has "
+            f"{sorted(expected)}"
+        )
+    for name, iterations in result.time_breakdown.items():
+        if len(iterations) != len(result.iter_time):
+            return f"{name!r} is timed in {len(iterations)} iterations, not {len(result.iter_time)}"
+        for times in iterations:
+            if len(times) != expected[name]:
+                return (
+                    f"an iteration times {len(times)} {name!r}, the schedule has {expected[name]}"
+                )
+            if min(times, default=1.0) <= 0:
+                return f"a {name!r} time is not positive"
+    return ""
 
 
 class _Failure(Exception):
@@ -82,6 +107,7 @@ class _Job:
     all_fetched: anyio.Event = field(default_factory=anyio.Event)
     all_reported: anyio.Event = field(default_factory=anyio.Event)
     error: str = ""
+    final: bool = False
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
 
 
@@ -230,6 +256,13 @@ class PfoServer:
     def _register_job(self, info: JobInfo) -> p.Reply:
         if info.job_id:
             raise _Failure("bad_request", "job_id must be empty when registering a job")
+        meta = info.job_metadata or ""
+        if len(meta) > _MAX_METADATA or not all(c.isprintable() and c not in "/\\" for c in meta):
+            raise _Failure(
+                "bad_request",
+                f"job_metadata must be at most {_MAX_METADATA} printable characters without "
+                "slashes (it becomes part of the job id and of a folder name)",
+            )
         base = info.make_job_id(self.scheduler_cls.__name__, datetime.now())
         job_id, n = base, 1
         while job_id in self.jobs:  # same second, same shape: keep ids unique
@@ -263,6 +296,8 @@ class PfoServer:
             raise _Failure("bad_rank", f"job {job_id}: rank {rank} has not registered")
         if rank in job.parked:
             raise _Failure("duplicate", f"job {job_id}: rank {rank} is already waiting")
+        if job.state == "done":  # the last schedule, as often as asked
+            return self._hand_out(job, rank)
         if rank in job.fetched and rank not in job.results:
             raise _Failure(
                 "out_of_order",
@@ -276,9 +311,10 @@ class PfoServer:
 
     def _hand_out(self, job: _Job, rank: int) -> p.Reply:
         job.fetched.add(rank)
+        job.last_active = self._clock()
         if len(job.fetched) == job.info.world_size:
             job.all_fetched.set()
-        return p.ScheduleReply(schedule=job.schedules[rank], round=job.round)
+        return p.ScheduleReply(schedule=job.schedules[rank], round=job.round, final=job.final)
 
     def _report(self, job_id: str, result: ProfilingResult) -> p.Reply:
         job = self._job(job_id)
@@ -290,10 +326,17 @@ class PfoServer:
                 f"job {job_id}: rank {result.rank} reported a result without a schedule "
                 f"for round {job.round}",
             )
+        if job.state == "done":
+            raise _Failure(
+                "out_of_order", f"job {job_id}: the schedule is final; nothing is to be reported"
+            )
         if result.rank in job.results:
             raise _Failure(
                 "duplicate", f"job {job_id}: rank {result.rank} already reported round {job.round}"
             )
+        problem = _check_result(result, job.schedules[result.rank])
+        if problem:
+            raise _Failure("bad_request", f"job {job_id}: rank {result.rank}: {problem}")
         job.results[result.rank] = result
         if len(job.results) == job.info.world_size:
             job.all_reported.set()
@@ -330,13 +373,17 @@ class PfoServer:
                 if dump is not None:
                     await save_ranks(ranks, dump)
                 job.state = "planning"
+                # Planning runs in worker threads; a stopping server does not wait for it.
                 scheduler = await anyio.to_thread.run_sync(
                     lambda: self.scheduler_cls(
                         job.info, ranks, self.settings, **self.settings.scheduler_args
-                    )
+                    ),
+                    abandon_on_cancel=True,
                 )
                 while True:
-                    schedules = await anyio.to_thread.run_sync(scheduler.next_schedule)
+                    schedules = await anyio.to_thread.run_sync(
+                        scheduler.next_schedule, abandon_on_cancel=True
+                    )
                     by_rank = {s.rank: s for s in schedules}
                     if sorted(by_rank) != list(range(job.info.world_size)):
                         raise RuntimeError(
@@ -344,19 +391,32 @@ class PfoServer:
                             f"expected 0..{job.info.world_size - 1}"
                         )
                     job.round += 1
+                    job.final = scheduler.finished
                     job.schedules, job.fetched, job.results = by_rank, set(), {}
                     job.all_fetched, job.all_reported = anyio.Event(), anyio.Event()
-                    job.state = "running"
+                    job.state = "done" if job.final else "running"
+                    job.last_active = self._clock()
                     for rank, peer in list(job.parked.items()):
                         del job.parked[rank]
                         self._send(peer, self._hand_out(job, rank))
+                    # Dumps wait until the round's requests are answered: no file I/O while
+                    # every rank is asking for its schedule.
+                    scheds = [by_rank[r] for r in sorted(by_rank)]
+                    if job.final:  # the scheduler is done: no more rounds, nothing to report
+                        logger.info("job %s: final schedule (round %d)", job_id, job.round)
+                        if dump is not None:
+                            await save_sched(scheds, dump, job.round)
+                        return
                     await job.all_reported.wait()
+                    job.last_active = self._clock()
                     results = [job.results[r] for r in sorted(job.results)]
                     if dump is not None:
-                        await save_sched([by_rank[r] for r in sorted(by_rank)], dump, job.round)
+                        await save_sched(scheds, dump, job.round)
                         await save_prof(results, dump, job.round)
                     job.state = "planning"
-                    await anyio.to_thread.run_sync(scheduler.observe, results)
+                    await anyio.to_thread.run_sync(
+                        scheduler.observe, results, abandon_on_cancel=True
+                    )
             except Exception as exc:
                 job.state = "failed"
                 job.error = f"{type(exc).__name__}: {exc}"

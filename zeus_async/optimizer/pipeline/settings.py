@@ -120,6 +120,7 @@ class PfoSettings(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError(
                 f"invalid scheduler_args for {scheduler.__name__}{signature}: {exc}"
             ) from None
+        scheduler.validate_args(**self.scheduler_args)
 
 
 def parse_setting(var: str, name: str, raw: str) -> Any:
