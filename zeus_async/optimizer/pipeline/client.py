@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import queue
 import struct
 import threading
@@ -562,10 +561,3 @@ class PipelineFrequencyOptimizer:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-def default_endpoint() -> str:
-    """``$ZEUS_PFO_SERVER`` or the server's default endpoint."""
-    from .server import DEFAULT_ENDPOINT
-
-    return os.environ.get("ZEUS_PFO_SERVER", DEFAULT_ENDPOINT)

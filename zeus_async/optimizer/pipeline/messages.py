@@ -17,7 +17,7 @@ import io
 import logging
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -359,8 +359,3 @@ async def save_ranks(data: Sequence[RankInfo], directory: str | os.PathLike[str]
 
 def load_ranks(directory: str | os.PathLike[str]) -> list[RankInfo]:
     return _load(Path(directory) / "ranks.json", list[RankInfo])
-
-
-def mean_by_key(values: Mapping[int, Sequence[float]]) -> dict[int, float]:
-    """``{key: mean(values)}`` for the non-empty entries."""
-    return {k: math.fsum(v) / len(v) for k, v in values.items() if v}

@@ -104,7 +104,6 @@ class _Job:
     fetched: set[int] = field(default_factory=set)
     parked: dict[int, _Peer] = field(default_factory=dict)
     results: dict[int, ProfilingResult] = field(default_factory=dict)
-    all_fetched: anyio.Event = field(default_factory=anyio.Event)
     all_reported: anyio.Event = field(default_factory=anyio.Event)
     error: str = ""
     final: bool = False
@@ -143,7 +142,6 @@ class PfoServer:
         self._tg: anyio.abc.TaskGroup | None = None
         self.endpoint: str | None = None
         self.requests_served = 0
-        self._ready = anyio.Event()
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -168,11 +166,6 @@ class PfoServer:
         assert self.endpoint is not None
         return self.endpoint
 
-    async def wait_ready(self) -> str:
-        await self._ready.wait()
-        assert self.endpoint is not None
-        return self.endpoint
-
     async def serve(self) -> None:
         """Serve until cancelled; then every waiting request gets a ``shutdown`` error."""
         self.bind()
@@ -183,7 +176,6 @@ class PfoServer:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 tg.start_soon(self._evict_loop)
-                self._ready.set()
                 while True:
                     try:
                         parts = sock.recv_multipart(zmq.NOBLOCK)
@@ -312,8 +304,6 @@ class PfoServer:
     def _hand_out(self, job: _Job, rank: int) -> p.Reply:
         job.fetched.add(rank)
         job.last_active = self._clock()
-        if len(job.fetched) == job.info.world_size:
-            job.all_fetched.set()
         return p.ScheduleReply(schedule=job.schedules[rank], round=job.round, final=job.final)
 
     def _report(self, job_id: str, result: ProfilingResult) -> p.Reply:
@@ -393,7 +383,7 @@ class PfoServer:
                     job.round += 1
                     job.final = scheduler.finished
                     job.schedules, job.fetched, job.results = by_rank, set(), {}
-                    job.all_fetched, job.all_reported = anyio.Event(), anyio.Event()
+                    job.all_reported = anyio.Event()
                     job.state = "done" if job.final else "running"
                     job.last_active = self._clock()
                     for rank, peer in list(job.parked.items()):
