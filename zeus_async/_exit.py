@@ -7,10 +7,12 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
-from types import FrameType
-from typing import Any
+from types import FrameType, TracebackType
+from typing import Any, TypeVar
 
-__all__ = ["SignalRestorer", "call_at_exit"]
+__all__ = ["ClosedOnExit", "SignalRestorer", "call_at_exit"]
+
+_C = TypeVar("_C", bound="ClosedOnExit")
 
 logger = logging.getLogger(__name__)
 
@@ -76,3 +78,21 @@ class SignalRestorer:
         elif previous == signal.SIG_DFL:
             signal.signal(signum, signal.SIG_DFL)
             raise SystemExit(128 + signum)
+
+
+class ClosedOnExit:
+    """``with obj: ...`` returns ``obj`` and calls ``obj.close()`` when the block ends."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _C) -> _C:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -38,13 +38,12 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from types import TracebackType
 from typing import Any, NamedTuple
 
 import aiofiles
 from anyio.abc import ObjectReceiveStream
 
-from ._exit import call_at_exit
+from ._exit import ClosedOnExit, call_at_exit
 from .aggregate.windows import WindowResult, WindowTracker, next_window_id, pop_open_window
 from .errors import ConfigError
 from .events import DeviceInfo, Event, Measurement, event_to_json
@@ -133,7 +132,7 @@ def _torch_sync(gpu_indices: Sequence[int]) -> None:
         cuda.synchronize(index)
 
 
-class Monitor:
+class Monitor(ClosedOnExit):
     """Measure time and energy of named windows in a synchronous program.
 
     Args:
@@ -443,14 +442,3 @@ class Monitor:
             self._process.stop()
         if self._embedded is not None:
             self._embedded.stop()
-
-    def __enter__(self) -> Monitor:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -49,7 +49,6 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from operator import attrgetter
 from socketserver import ThreadingMixIn
-from types import TracebackType
 from typing import Any, Final, NamedTuple
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -60,6 +59,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, make_wsgi_app
 from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Sample
 
+from .._exit import ClosedOnExit
 from ..devices.base import GPU_FIELDS
 from ..errors import ConfigError
 from ..events import Event, GpuSample, Measurement, ProcessSample, RaplSample
@@ -357,7 +357,7 @@ def _go_float(value: float) -> str:
     return s
 
 
-class PrometheusExporter:
+class PrometheusExporter(ClosedOnExit):
     """Keeps the latest value of every metric from events and serves them to Prometheus.
 
     A prometheus_client custom collector (:meth:`collect`, :meth:`describe`) registered in its
@@ -698,17 +698,6 @@ class PrometheusExporter:
             server.server_close()
         if thread is not None:
             thread.join(timeout=5.0)
-
-    def __enter__(self) -> PrometheusExporter:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 class _Server(ThreadingMixIn, WSGIServer):

@@ -39,12 +39,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 import msgspec
 
-from .._exit import SignalRestorer, call_at_exit
+from .._exit import ClosedOnExit, SignalRestorer, call_at_exit
 from ..errors import ConfigError, NoPermissionError
 from ..events import OptimizerState
 
@@ -340,7 +339,7 @@ class _StepStats:
 # -- the optimizer --------------------------------------------------------------------------------
 
 
-class GlobalPowerLimitOptimizer:
+class GlobalPowerLimitOptimizer(ClosedOnExit):
     """Finds the optimal GPU power limit by profiling during training (see the module doc).
 
     Args:
@@ -824,17 +823,6 @@ class GlobalPowerLimitOptimizer:
             )
         except Exception as exc:  # the monitor may be gone already at interpreter exit
             logger.warning("could not restore the maximum power limit: %s", exc)
-
-    def __enter__(self) -> GlobalPowerLimitOptimizer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def _log_failure(future: Any) -> None:

@@ -41,12 +41,11 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from ..._exit import SignalRestorer, call_at_exit
+from ..._exit import ClosedOnExit, SignalRestorer, call_at_exit
 from ...errors import ConfigError, NoPermissionError, NotSupportedError, ZeusAsyncError
 from . import protocol as p
 from .messages import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
@@ -263,7 +262,7 @@ class _Iteration:
         self.instructions: list[tuple[str, WindowResult]] = []
 
 
-class PipelineFrequencyOptimizer:
+class PipelineFrequencyOptimizer(ClosedOnExit):
     """Run the PFO server's frequency schedules on this rank (see the module docstring).
 
     Args:
@@ -550,14 +549,3 @@ class PipelineFrequencyOptimizer:
         self._client.close()
         if self._own_monitor:
             self.monitor.close()
-
-    def __enter__(self) -> PipelineFrequencyOptimizer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
