@@ -200,6 +200,25 @@ def test_edges_synchronize_torch_devices(monitor: Monitor, monkeypatch: pytest.M
     assert calls == [0, 1, 0, 1, 0, 1]
 
 
+def test_sampler_process_io_thread_sleeps_until_there_is_work() -> None:
+    with Monitor(backend="sim", cpu_indices=[], sim_config=CONFIG, sampler="process") as mon:
+        proc = mon._process
+        assert proc is not None
+        start = proc.io_wakeups
+        time.sleep(0.5)
+        # Idle: only the 100 ms liveness wake-ups (it used to poll every 5 ms: ~100 here).
+        assert proc.io_wakeups - start <= 10
+        start = proc.io_wakeups
+        results = []
+        for i in range(10):
+            mon.begin_window(f"w{i}", sync_execution=False)
+            results.append(mon.end_window(f"w{i}", sync_execution=False))
+        for r in results:
+            assert set(r.wait(timeout=5).gpu_energy_j) == {0, 1}
+        # A closing edge and a reply per window, plus liveness wake-ups while waiting.
+        assert proc.io_wakeups - start <= 2 * len(results) + 20
+
+
 def test_sampler_process_exits_when_its_parent_is_killed() -> None:
     import os
     import signal

@@ -5,9 +5,13 @@ that holds the GIL 0.5 ms in every 10 ms slows a small torch training step by ~5
 (``bench/bench_monitor.py --parts gil``). :class:`SamplerProcess` runs the whole
 :class:`~zeus_async.runtime.Runtime` (samplers, hub, window tracker, publisher) in a child
 process. The parent stamps window edges with its own wall clock and pushes them over a local
-ZeroMQ socket: the caller only appends the encoded edge to a queue, and an I/O thread (awake
-every 5 ms for a few microseconds) sends it and resolves each window's result when the child
-reports it. The only work left in the parent is that thread's short turns.
+ZeroMQ socket: the caller only appends the encoded edge to a queue, and an I/O thread sends it
+and resolves each window's result when the child reports it. That thread sleeps until there is
+work: a window's closing edge, a control request or a reply wakes it at once; an opening edge
+waits for the next wake-up (at most ``_IDLE_WAKE_S``, the child keeps 30 s of history, so a
+late opening edge loses nothing). A program with no windows open wakes it ``1 / _IDLE_WAKE_S``
+times a second (to notice a dead child); one window per step costs about two wake-ups per
+step. The only work left in the parent is that thread's short turns.
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ __all__ = ["SamplerProcess"]
 
 logger = logging.getLogger(__name__)
 
-#: How often the I/O thread sends queued edges and checks the child (seconds).
-_IO_PERIOD_S = 0.005
+#: Longest the I/O thread sleeps: the most an opening edge waits before it is sent, and how
+#: soon a dead child is noticed (seconds).
+_IDLE_WAKE_S = 0.1
 
 
 class ChildConfig(msgspec.Struct, frozen=True):
@@ -176,6 +181,13 @@ class SamplerProcess:
         self._dec = msgspec.msgpack.Decoder(Reply)
         # Edges go through this queue; the I/O thread sends them (it alone owns the sockets).
         self._outbox: collections.deque[bytes] = collections.deque()
+        # Written to wake the I/O thread (one byte per wake-up, see _wake).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._woken = False
+        #: Times the I/O thread woke up (a figure for tests and benchmarks).
+        self.io_wakeups = 0
         self._pending: dict[int, WindowResult] = {}
         self._controls: dict[int, Future[Any]] = {}
         self._control_seq = 0
@@ -257,12 +269,25 @@ class SamplerProcess:
     def send_edge(self, edge: Edge) -> None:
         """Queue one edge for the child: a deque append on the caller's thread.
 
-        The I/O thread sends queued edges within ``_IO_PERIOD_S``; the child only needs them
-        before it finalizes the window, which happens later anyway.
+        A closing edge wakes the I/O thread, which sends it at once (with any opening edges
+        queued before it); an opening edge is sent by the next wake-up, within
+        ``_IDLE_WAKE_S``: the child only needs it before it finalizes the window.
         """
         if self._failure is not None:
             raise RuntimeError(self._failure)
         self._outbox.append(self._enc.encode(edge))
+        if not edge.open:
+            self._wake()
+
+    def _wake(self) -> None:
+        """Wake the I/O thread (one pipe write per wake-up, however many callers ask)."""
+        if self._woken:
+            return
+        self._woken = True
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # the pipe already holds a wake-up, or it is closed (stopping)
 
     def expect(self, result: WindowResult) -> None:
         """Resolve ``result`` when the child reports its window."""
@@ -305,6 +330,7 @@ class SamplerProcess:
             mhz=mhz,
         )
         self._outbox.append(self._enc.encode(msg))
+        self._wake()
         return future
 
     def _flush_edges(self) -> None:
@@ -317,13 +343,28 @@ class SamplerProcess:
             outbox.popleft()
 
     def _read_replies(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._replies, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        timeout_ms = round(_IDLE_WAKE_S * 1e3)
         while True:
+            # Clear the flag before sending, so an edge queued after this flush wakes us again.
+            self._woken = False
             self._flush_edges()
             try:
-                ready = self._replies.poll(round(_IO_PERIOD_S * 1e3))
+                # Edges left in the outbox (the child's queue was full) are retried soon.
+                ready = dict(poller.poll(5 if self._outbox else timeout_ms))
             except zmq.ZMQError:
                 return
-            if ready:
+            self.io_wakeups += 1
+            if self._wake_r in ready:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+                if self._replies not in ready:
+                    continue
+            if self._replies in ready:
                 try:
                     reply = self._dec.decode(self._replies.recv())
                 except (zmq.ZMQError, msgspec.DecodeError):
@@ -372,6 +413,7 @@ class SamplerProcess:
             return
         self._stopped = True
         self._outbox.append(self._enc.encode(Stop()))
+        self._wake()
         try:
             self._proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -390,4 +432,7 @@ class SamplerProcess:
         self._replies.close(linger=0)
         self._ctx.term()
         self._stderr.close()
+        self._woken = True  # no more wake-ups: the descriptors below may be reused
+        os.close(self._wake_r)
+        os.close(self._wake_w)
         shutil.rmtree(self._dir, ignore_errors=True)
