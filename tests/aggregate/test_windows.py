@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 import anyio
@@ -134,6 +135,14 @@ async def test_one_second_windows_within_half_a_percent() -> None:
 
 
 def _feed_h100_like(h: DeviceHistory, power_at: Callable[[float], float], seconds: float) -> None:
+    """Feed :func:`_h100_like_samples` to ``h``."""
+    for sample in _h100_like_samples(power_at, seconds):
+        h.add(*sample)
+
+
+def _h100_like_samples(
+    power_at: Callable[[float], float], seconds: float
+) -> list[tuple[int, float, float]]:
     """Samples every 10 ms of an H100-like sensor: counter and head reading refreshed every
     100 ms; the head reading averages the first 25 ms of the period that just ended."""
 
@@ -146,12 +155,14 @@ def _feed_h100_like(h: DeviceHistory, power_at: Callable[[float], float], second
     for k in range(round(seconds / 0.1)):
         period_e.append(energy(k * 0.1, k * 0.1 + 0.1))
         heads.append(energy(k * 0.1, k * 0.1 + 0.025) / 0.025)
+    out = []
     for i in range(round(seconds / 0.01)):
         t = i * 0.01 + 0.005
         k = int(t / 0.1)  # periods completed
         counter = sum(period_e[:k])
         head = heads[k - 1] if k >= 1 else power_at(0)
-        h.add(round(t * 1e9), head, counter)
+        out.append((round(t * 1e9), head, counter))
+    return out
 
 
 def test_head_model_reconstructs_a_step_inside_a_period_exactly() -> None:
@@ -205,3 +216,40 @@ def test_history_interpolation_exact_values() -> None:
     with pytest.raises(ValueError):
         h.energy(2, 1)
     assert DeviceHistory("gpu:9").energy(0, 1).method == "unavailable"
+
+
+def test_remembered_update_instants_never_change_a_result() -> None:
+    """A history that has answered many queries (and remembers refined update instants)
+    gives exactly the energies of a fresh history holding the same samples, while samples
+    keep arriving and old ones are trimmed."""
+
+    def power(t: float) -> float:
+        return 150.0 + 90.0 * ((t * 7.3) % 1.0) + (int(t / 0.1 + 1e-9) % 3)
+
+    # Sampling jitter (up to +-3 ms), so that refined update instants depend on how many
+    # neighbours a fit had.
+    rng = random.Random(7)
+    samples = [(t + rng.randint(-3, 3) * MS, p, c) for t, p, c in _h100_like_samples(power, 5.0)]
+    live = DeviceHistory("gpu:0")
+    trimmed_to: int | None = None
+    checked = 0
+    for n, sample in enumerate(samples, 1):
+        live.add(*sample)
+        if n % 41 == 0 and n > 200:
+            trimmed_to = samples[n - 160][0]
+            live.trim_before(trimmed_to)
+        if n % 3 or n < 60:
+            continue
+        fresh = DeviceHistory("gpu:0")
+        for s in samples[:n]:
+            fresh.add(*s)
+        if trimmed_to is not None:
+            fresh.trim_before(trimmed_to)
+        end = sample[0] - 15 * MS
+        for length in (20 * MS, 45 * MS, 130 * MS, 700 * MS):
+            start = max(end - length, fresh._ct[0])
+            a, b = live.energy(start, end), fresh.energy(start, end)
+            assert (a.energy_j, a.method) == (b.energy_j, b.method)
+            checked += 1
+    assert live._head_model_active() and live._refined_cache
+    assert checked > 500

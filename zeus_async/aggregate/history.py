@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 _NAN = float("nan")
 _FIT_RADIUS = 10
+#: Most refined update instants a history remembers (see DeviceHistory._refined).
+_CACHE_MAX = 256
 
 
 class SensorModel:
@@ -96,6 +98,10 @@ class DeviceHistory:
         self._ct: list[int] = []
         self._ce: list[float] = []
         self._cp: list[float] = []
+        # _refined() results by fit neighbourhood (first, own and last raw instant, and the
+        # counter value): both edges of a short window, and the end of one window and the start
+        # of the next, ask for the same points again. Cleared when it grows past _CACHE_MAX.
+        self._refined_cache: dict[tuple[int, int, int, float], float] = {}
         self._last_power: float | None = None
         # Sensor-model evidence: instant-power changes, and how many came with a counter update.
         self.power_changes = 0
@@ -251,6 +257,18 @@ class DeviceHistory:
         """
         ct = self._ct
         lo, hi = max(0, k - _FIT_RADIUS), min(len(ct), k + _FIT_RADIUS + 1)
+        key = (ct[lo], ct[k], ct[hi - 1], self._ce[k])
+        cache = self._refined_cache
+        value = cache.get(key)
+        if value is None:
+            if len(cache) >= _CACHE_MAX:
+                cache.clear()
+            value = cache[key] = self._fit(k, lo, hi)
+        return value
+
+    def _fit(self, k: int, lo: int, hi: int) -> float:
+        """The least-squares instant of update ``k`` from updates ``lo`` to ``hi - 1``."""
+        ct = self._ct
         if hi - lo < 5:
             return float(ct[k])
         diffs = sorted(ct[i + 1] - ct[i] for i in range(lo, hi - 1))
