@@ -12,6 +12,10 @@ released, like a ctypes call), with ``sync_execution=False``:
    monitor's own window edges.
 3. ``training``: a small torch MLP training loop on CPU (~50 ms steps), one window per step,
    8 simulated GPUs sampled at 100 Hz with publishing and recording on: step time vs no monitor.
+4. ``background``: the CPU the monitor spends beside the caller's own thread, same setup as
+   ``training`` with a 40 ms sleep for a step: the training process's other threads (the
+   sampler process's I/O thread) and the sampler process, idle (no window) and with one window
+   per step.
 
 Run: ``bench/.venv/bin/python bench/bench_monitor.py [--quick] [--json PATH]``.
 """
@@ -27,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -162,7 +167,7 @@ def make_training_step() -> Callable[[], None]:
     return step
 
 
-def bench_training(steps: int, rounds: int, publish: bool = True) -> dict[str, float]:
+def bench_training(steps: int, rounds: int, publish: bool = True) -> dict[str, Any]:
     install_sim(8, SquareWorkload(period_s=0.5))
     step = make_training_step()
 
@@ -223,6 +228,9 @@ def bench_training(steps: int, rounds: int, publish: bool = True) -> dict[str, f
         "step_ms_ours": med["ours"] * 1e3,
         "step_ms_zeus": med["zeus"] * 1e3,
         "slowdown_ours": statistics.median(per_round["ours"]),
+        "slowdown_ours_ci": _bootstrap_median_ci(per_round["ours"]),
+        "slowdown_zeus_ci": _bootstrap_median_ci(per_round["zeus"]),
+        "aa_noise_ci": _bootstrap_median_ci(per_round["none_b"]),
         "slowdown_zeus": statistics.median(per_round["zeus"]),
         "aa_noise": statistics.median(per_round["none_b"]),
         "steps_per_mode": float(len(times["none"])),
@@ -268,7 +276,53 @@ def bench_gil(rounds: int) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in per_round.items() if name != "none"}
 
 
+def _bootstrap_median_ci(values: list[float], n: int = 4000) -> tuple[float, float]:
+    """95 % bootstrap interval of the median of ``values`` (seeded: reruns agree)."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
+    return medians[int(0.025 * n)], medians[int(0.975 * n) - 1]
+
+
+def bench_background(seconds: float) -> dict[str, float]:
+    """CPU share (of one core) of the parent's non-caller threads and of the sampler process."""
+    import psutil
+
+    install_sim(8, SquareWorkload(period_s=0.5))
+    tmp = tempfile.mkdtemp(prefix="zeus-async-bench-")
+    me = psutil.Process()
+    main_tid = threading.get_native_id()
+
+    def cpu() -> tuple[float, float]:
+        others = sum(t.user_time + t.system_time for t in me.threads() if t.id != main_tid)
+        kids = sum(sum(k.cpu_times()[:2]) for k in me.children(recursive=True))
+        return others, kids
+
+    out: dict[str, float] = {}
+    om = our_monitor(8, publish="tcp://127.0.0.1:0", record=os.path.join(tmp, "bg.zarc"))
+    try:
+        time.sleep(1.0)  # let the sampler settle
+        for mode in ("idle", "window per 40 ms step"):
+            (p0, k0), t0 = cpu(), time.perf_counter()
+            i = 0
+            while time.perf_counter() - t0 < seconds:
+                if mode == "idle":
+                    time.sleep(0.04)
+                    continue
+                om.begin_window(f"s{i}", sync_execution=False)
+                time.sleep(0.04)
+                om.end_window(f"s{i}", sync_execution=False)
+                i += 1
+            (p1, k1), wall = cpu(), time.perf_counter() - t0
+            out[f"parent_threads:{mode}"] = (p1 - p0) / wall
+            out[f"sampler_process:{mode}"] = (k1 - k0) / wall
+    finally:
+        om.close()
+    return out
+
+
 def run_part(name: str, quick: bool) -> dict[str, Any]:
+    if name == "background":
+        return {"background": bench_background(4.0 if quick else 15.0)}
     if name == "gil":
         return {"gil": bench_gil(4 if quick else 10)}
     if name == "training-nopub":
@@ -323,19 +377,38 @@ def main() -> int:
             )
     if "training" in parts or "training-nopub" in parts:
         tr = results["training"]
-        print("\n| training loop, window per step, 8 GPUs | median step ms | slowdown |")
-        print("|---|---:|---:|")
-        print(f"| no monitor | {tr['step_ms_none']:.2f} | |")
+        print("\n| training loop, window per step, 8 GPUs | median step ms | slowdown | 95 % CI |")
+        print("|---|---:|---:|---:|")
+
+        def ci(key: str) -> str:
+            lo, hi = tr[key]
+            return f"{lo * 100:+.2f} .. {hi * 100:+.2f} %"
+
+        print(f"| no monitor | {tr['step_ms_none']:.2f} | | |")
         print(
-            f"| zeus_async Monitor | {tr['step_ms_ours']:.2f} | {tr['slowdown_ours'] * 100:.2f} % |"
+            f"| zeus_async Monitor | {tr['step_ms_ours']:.2f} | {tr['slowdown_ours'] * 100:.2f} % "
+            f"| {ci('slowdown_ours_ci')} |"
         )
         zeus_row = f"| Zeus 0.16 ZeusMonitor | {tr['step_ms_zeus']:.2f} "
-        print(zeus_row + f"| {tr['slowdown_zeus'] * 100:.2f} % |")
-        print(f"| A/A control: no monitor again (noise floor) | | {tr['aa_noise'] * 100:.2f} % |")
+        print(zeus_row + f"| {tr['slowdown_zeus'] * 100:.2f} % | {ci('slowdown_zeus_ci')} |")
+        print(
+            f"| A/A control: no monitor again (noise floor) | | {tr['aa_noise'] * 100:.2f} % "
+            f"| {ci('aa_noise_ci')} |"
+        )
         print(
             f"\n{tr['steps_per_mode']:.0f} steps per mode in {tr['rounds']:.0f} rounds of "
             "20-step phases; slowdown = median over rounds of the in-round ratio"
         )
+    if "background" in parts:
+        bg = results["background"]
+        print("\n| monitor's background CPU, 8 GPUs, publish + record | idle | window per step |")
+        print("|---|---:|---:|")
+        for who in ("parent_threads", "sampler_process"):
+            print(
+                f"| {who.replace('_', ' ')} | {bg[f'{who}:idle'] * 100:.2f} % "
+                f"| {bg[f'{who}:window per 40 ms step'] * 100:.2f} % |"
+            )
+        print("\n(% of one core)")
     if "gil" in parts:
         print("\n| background thread holding the GIL (no monitor) | training-step slowdown |")
         print("|---|---:|")
