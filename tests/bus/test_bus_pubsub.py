@@ -377,3 +377,46 @@ async def test_shared_context_and_inproc_even_an_asyncio_context() -> None:
             assert await take(sub, 1) == [gpu(7)]
     finally:
         ctx.term()
+
+
+async def test_frames_nobody_subscribed_to_are_sequenced_but_not_sent(ipc_endpoint: str) -> None:
+    pub = Publisher(ipc_endpoint, host="n1", max_batch_events=1)
+    async with running(pub):
+        # No subscriber: every frame is sequenced and skipped (nothing encoded or sent).
+        pub.publish_many(gpu(i, index=i % 2) for i in range(10))
+        with anyio.fail_after(TIMEOUT):
+            while pub.stats.frames_unsubscribed < 10:
+                await anyio.sleep(0.001)
+        assert pub.stats.frames_sent == 0 and pub.stats.events_unsubscribed == 10
+        async with Subscriber(pub.endpoint, topics=["gpu/n1/1"]) as one:
+            await one.wait_ready(timeout=TIMEOUT)
+            sent_before = pub.stats.frames_sent  # the StreamInfo of the handshake
+            skipped_before = pub.stats.frames_unsubscribed
+            pub.publish_many(gpu(i, index=i % 2) for i in range(10, 20))
+            got = await take(one, 5)
+            # Only GPU 1's topic is sent; GPU 0's frames are still skipped.
+            assert [e.t_ns for e in got] == [11, 13, 15, 17, 19]
+            assert pub.stats.frames_sent - sent_before == 5
+            assert pub.stats.frames_unsubscribed - skipped_before == 5
+        # The topic seq went on through the skipped frames: 6th frame of GPU 1's topic first,
+        # and the subscriber counts no loss from the frames sent before it came.
+        assert one.stats.frames_lost == 0
+        async with Subscriber(pub.endpoint, topics=["gpu/"]) as every:
+            await every.wait_ready(timeout=TIMEOUT)
+            frames_before = pub.stats.frames_sent
+            pub.publish_many(gpu(i, index=i % 2) for i in range(20, 24))
+            got_frames = await take_frames(every, 4)
+        assert [f.events[0].t_ns for f in got_frames] == [20, 21, 22, 23]
+        assert [f.header.topic_seq for f in got_frames] == [10, 10, 11, 11]
+        assert pub.stats.frames_sent - frames_before == 4
+        assert every.stats.frames_lost == 0
+        # Both subscribers gone: ZeroMQ reports their prefixes unsubscribed, and frames are
+        # skipped again.
+        with anyio.fail_after(TIMEOUT):
+            while pub.stats.unsubscriptions < 2:
+                await anyio.sleep(0.005)
+        skipped_before = pub.stats.frames_unsubscribed
+        pub.publish_many(gpu(i, index=i % 2) for i in range(24, 28))
+        with anyio.fail_after(TIMEOUT):
+            while pub.stats.frames_unsubscribed < skipped_before + 4:
+                await anyio.sleep(0.001)

@@ -24,6 +24,12 @@ Design:
   not hand to ZeroMQ (pending-buffer overflow, an event that cannot be encoded, a send error)
   still consume their sequence numbers, so they appear as gaps downstream too, and are counted in
   :attr:`PublisherStats.frames_dropped_local`.
+* Nobody listening: a frame whose topic matches no current subscription is sequenced (it
+  consumes its stream and topic sequence numbers, as a frame ZeroMQ filters out would) but
+  neither encoded nor handed to ZeroMQ, so publishing costs little while no subscriber is
+  connected. The publisher knows the subscriptions from the XPUB socket: with ``XPUB_VERBOSE``
+  every subscribe message arrives, and an unsubscribe arrives when the last subscriber of that
+  prefix leaves (or disconnects). Counted in :attr:`PublisherStats.frames_unsubscribed`.
 * Heartbeats: every ``heartbeat_s`` a :class:`~zeus_async.events.Heartbeat` frame reports how
   many frames and events were sequenced before it (so ``frames_published`` equals the
   heartbeat's own stream sequence number). On shutdown the pending batches are flushed and a
@@ -77,6 +83,9 @@ class PublisherStats:
         unsubscriptions: Unsubscribe messages received.
         stream_infos_sent: StreamInfo frames sent (readiness handshakes).
         heartbeats_sent: Heartbeat frames sent.
+        frames_unsubscribed: Frames sequenced but not sent because no subscription matched
+            their topic (not losses: no subscriber was there to receive them).
+        events_unsubscribed: Events in those frames.
     """
 
     frames_sent: int = 0
@@ -87,6 +96,8 @@ class PublisherStats:
     unsubscriptions: int = 0
     stream_infos_sent: int = 0
     heartbeats_sent: int = 0
+    frames_unsubscribed: int = 0
+    events_unsubscribed: int = 0
 
 
 class Publisher:
@@ -194,6 +205,9 @@ class Publisher:
         self._ready: deque[tuple[str, list[Event]]] = deque()
         self._ready_events = 0  # events in self._ready
         self._info_due = False
+        # Topic prefixes subscribed to now, and per topic whether one of them matches it.
+        self._subscribed: set[bytes] = set()
+        self._wanted: dict[str, bool] = {}
         self._wake_pending = False
         self._wait_scope: anyio.CancelScope | None = None
         self._started = False
@@ -475,10 +489,14 @@ class Publisher:
                     return
                 if msg[:1] == b"\x01":
                     self.stats.subscriptions += 1
+                    self._subscribed.add(bytes(msg[1:]))
+                    self._wanted.clear()
                     if stream_topic.startswith(msg[1:]):
                         self._info_due = True
                 elif msg[:1] == b"\x00":
                     self.stats.unsubscriptions += 1
+                    self._subscribed.discard(bytes(msg[1:]))
+                    self._wanted.clear()
             if not self._info_due:
                 return
             self._info_due = False
@@ -486,7 +504,23 @@ class Publisher:
             self.stats.stream_infos_sent += 1
             # The send may have consumed the FD edge of a newly arrived subscription: look again.
 
+    def _is_wanted(self, topic: str) -> bool:
+        """Whether a current subscription matches ``topic``."""
+        wanted = self._wanted.get(topic)
+        if wanted is None:
+            if len(self._wanted) > 4096:
+                self._wanted.clear()
+            topic_b = topic.encode()
+            wanted = self._wanted[topic] = any(map(topic_b.startswith, self._subscribed))
+        return wanted
+
     def _send(self, sock: zmq.Socket[Any], topic: str, events: list[Event], flags: int = 0) -> None:
+        if not self._is_wanted(topic):
+            self._encoder.skip(topic, len(events))
+            self.stats.frames_unsubscribed += 1
+            self.stats.events_unsubscribed += len(events)
+            self._sent_now(topic)
+            return
         try:
             topic_b, header, payload = self._encoder.encode(topic, events, flags=flags)
         except CodecError as exc:
@@ -508,6 +542,10 @@ class Publisher:
             return
         self.stats.frames_sent += 1
         self.stats.events_sent += len(events)
+        self._sent_now(topic)
+
+    def _sent_now(self, topic: str) -> None:
+        """Note that ``topic`` sent a frame now (its next batch is timed from here)."""
         last_sent = self._last_sent
         if len(last_sent) > 4096:  # forget quiet topics (their next batch is due at once anyway)
             horizon = time.monotonic() - self._interval
