@@ -12,6 +12,9 @@ released, like a ctypes call), with ``sync_execution=False``:
    monitor's own window edges.
 3. ``training``: a small torch MLP training loop on CPU (~50 ms steps), one window per step,
    8 simulated GPUs sampled at 100 Hz with publishing and recording on: step time vs no monitor.
+5. ``contention`` (not in the default parts): the same training step beside a process that
+   only burns as much CPU as the sampler process does (16 % of a core): the cost of sharing
+   this machine's CPUs, with no monitor at all.
 4. ``background``: the CPU the monitor spends beside the caller's own thread, same setup as
    ``training`` with a 40 ms sleep for a step: the training process's other threads (the
    sampler process's I/O thread) and the sampler process, idle (no window) and with one window
@@ -276,6 +279,54 @@ def bench_gil(rounds: int) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in per_round.items() if name != "none"}
 
 
+_BURNER = """
+import sys, time
+share, period = float(sys.argv[1]), 0.01
+while True:
+    t = time.perf_counter()
+    while time.perf_counter() < t + share * period:
+        pass
+    time.sleep(max(0.0, period - (time.perf_counter() - t)))
+"""
+
+
+def bench_contention(rounds: int, share: float) -> dict[str, Any]:
+    """Slowdown of the same training step beside a separate process that only burns
+    ``share`` of a core (in 10 ms cycles, like a 100 Hz sampler) and does nothing else: what
+    sharing this machine's CPUs costs by itself, with no monitor and no GIL involved."""
+    step = make_training_step()
+    for _ in range(10):
+        step()
+    per_round: list[float] = []
+    for r in range(rounds):
+        med: dict[str, float] = {}
+        for mode in ("none", "burner") if r % 2 == 0 else ("burner", "none"):
+            burner = None
+            if mode == "burner":
+                burner = subprocess.Popen([sys.executable, "-c", _BURNER, str(share)])
+                time.sleep(0.5)
+            try:
+                for _ in range(5):
+                    step()
+                times = []
+                for _ in range(20):
+                    t = time.perf_counter()
+                    step()
+                    times.append(time.perf_counter() - t)
+            finally:
+                if burner is not None:
+                    burner.kill()
+                    burner.wait()
+            med[mode] = statistics.median(times)
+        per_round.append(med["burner"] / med["none"] - 1)
+    return {
+        "share": share,
+        "slowdown": statistics.median(per_round),
+        "slowdown_ci": _bootstrap_median_ci(per_round),
+        "rounds": rounds,
+    }
+
+
 def _bootstrap_median_ci(values: list[float], n: int = 4000) -> tuple[float, float]:
     """95 % bootstrap interval of the median of ``values`` (seeded: reruns agree)."""
     rng = random.Random(0)
@@ -320,13 +371,15 @@ def bench_background(seconds: float) -> dict[str, float]:
     return out
 
 
-def run_part(name: str, quick: bool) -> dict[str, Any]:
+def run_part(name: str, quick: bool, rounds: int | None = None) -> dict[str, Any]:
+    if name == "contention":
+        return {"contention": bench_contention(rounds or (8 if quick else 20), 0.16)}
     if name == "background":
         return {"background": bench_background(4.0 if quick else 15.0)}
     if name == "gil":
         return {"gil": bench_gil(4 if quick else 10)}
     if name == "training-nopub":
-        return {"training": bench_training(20, 8 if quick else 20, publish=False)}
+        return {"training": bench_training(20, rounds or (8 if quick else 20), publish=False)}
     if name == "cost":
         return {"cost_us": bench_cost(50 if quick else 300)}
     if name == "accuracy":
@@ -335,7 +388,7 @@ def run_part(name: str, quick: bool) -> dict[str, Any]:
             plan = [(0.02, 10), (0.05, 8), (0.2, 5), (1.0, 2)]
         return {"accuracy": bench_accuracy(plan)}
     if name == "training":
-        return {"training": bench_training(20, 8 if quick else 20)}
+        return {"training": bench_training(20, rounds or (8 if quick else 20))}
     raise SystemExit(f"unknown part {name!r}")
 
 
@@ -344,15 +397,20 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer windows (a smoke run)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--parts", default="cost,accuracy,training")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="training rounds (default 20; 8 with --quick)"
+    )
     parser.add_argument("--only", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.only:  # one part in this (fresh) process: Zeus caches GPU handles process-wide
-        part = run_part(args.only, args.quick)
+        part = run_part(args.only, args.quick, args.rounds)
         print(json.dumps(part))
         return 0
     results: dict[str, Any] = {}
     for name in args.parts.split(","):
         cmd = [sys.executable, __file__, "--only", name] + (["--quick"] if args.quick else [])
+        if args.rounds:
+            cmd += ["--rounds", str(args.rounds)]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise SystemExit(f"part {name} failed:\n{proc.stderr[-3000:]}")
@@ -409,6 +467,15 @@ def main() -> int:
                 f"| {bg[f'{who}:window per 40 ms step'] * 100:.2f} % |"
             )
         print("\n(% of one core)")
+    if "contention" in parts:
+        ct = results["contention"]
+        lo, hi = ct["slowdown_ci"]
+        print("\n| training step beside a process burning CPU (no monitor) | slowdown | 95 % CI |")
+        print("|---|---:|---:|")
+        print(
+            f"| {ct['share'] * 100:.0f} % of a core in 10 ms cycles, {ct['rounds']} rounds "
+            f"| {ct['slowdown'] * 100:.2f} % | {lo * 100:+.2f} .. {hi * 100:+.2f} % |"
+        )
     if "gil" in parts:
         print("\n| background thread holding the GIL (no monitor) | training-step slowdown |")
         print("|---|---:|")
