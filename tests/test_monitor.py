@@ -208,15 +208,37 @@ def test_sampler_process_io_thread_sleeps_until_there_is_work() -> None:
         time.sleep(0.5)
         # Idle: only the 100 ms liveness wake-ups (it used to poll every 5 ms: ~100 here).
         assert proc.io_wakeups - start <= 10
+        # A training loop: a window per 10 ms step, no result read inside the loop. Edges
+        # ride the liveness wake-ups and replies come in bursts; it used to take a wake-up per
+        # closing edge and one per reply (2 per step: >= 100 here).
         start = proc.io_wakeups
         results = []
-        for i in range(10):
+        for i in range(50):
             mon.begin_window(f"w{i}", sync_execution=False)
+            time.sleep(0.01)
             results.append(mon.end_window(f"w{i}", sync_execution=False))
+        loop_wakeups = proc.io_wakeups - start
+        assert loop_wakeups <= 40, loop_wakeups
         for r in results:
             assert set(r.wait(timeout=5).gpu_energy_j) == {0, 1}
-        # A closing edge and a reply per window, plus liveness wake-ups while waiting.
-        assert proc.io_wakeups - start <= 2 * len(results) + 20
+
+
+def test_reading_a_result_sends_its_edges_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # With the idle wake-up an hour away, only the reader's own wake-up can send the edges:
+    # the result would time out if waiting did not hurry them along.
+    from zeus_async.runtime import sampler_process
+
+    monkeypatch.setattr(sampler_process, "_IDLE_WAKE_S", 3600.0)
+    with Monitor(backend="sim", cpu_indices=[], sim_config=CONFIG, sampler="process") as mon:
+        proc = mon._process
+        assert proc is not None
+        time.sleep(0.2)  # let the I/O thread reach its (hour-long) sleep
+        mon.begin_window("a", sync_execution=False)
+        result = mon.end_window("a", sync_execution=False)
+        assert len(proc._outbox) == 2  # both edges still queued: nothing woke the I/O thread
+        assert set(result.wait(timeout=10).gpu_energy_j) == {0, 1}
+        mon.push_window()
+        assert len(mon.pop_window().energy) == 2  # pop_window waits the same way
 
 
 def test_sampler_process_exits_when_its_parent_is_killed() -> None:

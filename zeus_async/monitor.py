@@ -310,6 +310,13 @@ class Monitor(ClosedOnExit):
         window's end, blocking the reader until then. With ``cancel=True`` the window is
         discarded and an empty, cancelled result is returned.
 
+        With the sampler in a child process (the default), this call only queues the edge:
+        it reaches the child with the I/O thread's next wake-up, at once when something reads
+        the result and within 0.1 s otherwise. So the window's ``measurement`` event (bus,
+        recording, window log) may come up to 0.1 s after the bound above when nobody reads
+        the result in between. In exchange, a loop with a window per step wakes no thread per
+        step.
+
         Raises:
             ValueError: No window ``key`` is open.
         """

@@ -68,6 +68,10 @@ def pop_open_window(open_windows: dict[str, tuple[int, int]], name: str) -> tupl
         raise ValueError(f"no open measurement window {name!r} (open windows: {known})") from None
 
 
+#: Notified whenever any :class:`WindowResult` resolves; its waiters re-check their own.
+_RESOLVED = threading.Condition()
+
+
 class WindowResult:
     """The outcome of one window; energy figures resolve shortly after the window ends.
 
@@ -80,6 +84,7 @@ class WindowResult:
         "_done",
         "_error",
         "_measurement",
+        "_on_wait",
         "cancelled",
         "end_ns",
         "name",
@@ -93,9 +98,15 @@ class WindowResult:
         self.start_ns = start_ns
         self.end_ns = end_ns
         self.cancelled = False
-        self._done = threading.Event()
+        # Set (under _RESOLVED) once the measurement or the error is in. One condition shared by
+        # every result, instead of a threading.Event each: creating a result is on the caller's
+        # thread at every window end, and waiting on one is the rare case.
+        self._done = False
         self._measurement: Measurement | None = None
         self._error: BaseException | None = None
+        # Called once before a reader first blocks on an unresolved result: a producer that
+        # defers work nobody is waiting for (the sampler process's parent) hurries it along.
+        self._on_wait: Callable[[], None] | None = None
 
     @property
     def time(self) -> float:
@@ -103,11 +114,15 @@ class WindowResult:
         return (self.end_ns - self.start_ns) / 1e9
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._done
 
     def wait(self, timeout: float | None = None) -> Measurement:
         """Block until finalized; returns the :class:`~zeus_async.events.Measurement` event."""
-        if not self._done.wait(timeout):
+        self._hurry()
+        if not self._done:
+            with _RESOLVED:
+                _RESOLVED.wait_for(self.done, timeout)
+        if not self._done:
             raise TimeoutError(f"window {self.name!r} not finalized within {timeout} s")
         if self._error is not None:
             raise self._error
@@ -116,13 +131,22 @@ class WindowResult:
 
     async def wait_async(self) -> Measurement:
         """Wait on the event loop (polls the thread-safe flag; finalization is ≤ 0.5 s away)."""
-        while not self._done.is_set():
+        self._hurry()
+        while not self._done:
             await anyio.sleep(0.005)
         return self.wait(0)
 
+    def _hurry(self) -> None:
+        on_wait = self._on_wait
+        if on_wait is not None and not self._done:
+            self._on_wait = None
+            on_wait()
+
     def _resolve(self, measurement: Measurement) -> None:
-        self._measurement = measurement
-        self._done.set()
+        with _RESOLVED:
+            self._measurement = measurement
+            self._done = True
+            _RESOLVED.notify_all()
 
     @classmethod
     def cancelled_result(
@@ -136,9 +160,11 @@ class WindowResult:
 
     def _fail(self, error: BaseException) -> None:
         """The window cannot be measured (the sampler died): readers get ``error``."""
-        if not self._done.is_set():
-            self._error = error
-            self._done.set()
+        with _RESOLVED:
+            if not self._done:
+                self._error = error
+                self._done = True
+                _RESOLVED.notify_all()
 
     @property
     def measurement(self) -> Measurement:

@@ -7,16 +7,21 @@ that holds the GIL 0.5 ms in every 10 ms slows a small torch training step by ~5
 process. The parent stamps window edges with its own wall clock and pushes them over a local
 ZeroMQ socket: the caller only appends the encoded edge to a queue, and an I/O thread sends it
 and resolves each window's result when the child reports it. That thread sleeps until there is
-work: a window's closing edge, a control request or a reply wakes it at once; an opening edge
-waits for the next wake-up (at most ``_IDLE_WAKE_S``, the child keeps 30 s of history, so a
-late opening edge loses nothing). A program with no windows open wakes it ``1 / _IDLE_WAKE_S``
-times a second (to notice a dead child); one window per step costs about two wake-ups per
-step. The only work left in the parent is that thread's short turns.
+work, and a window edge alone is not urgent: the child keeps 30 s of history and measures a
+window from its edges' timestamps whenever they arrive, so queued edges go out with the next
+wake-up — at most ``_IDLE_WAKE_S`` later, which also bounds how soon a dead child is noticed.
+The child's replies wait in the socket likewise, drained at each wake-up. What wakes the
+thread at once: a reader blocking on a window's result (``WindowResult.wait``, or any of its
+energy attributes) — the thread then also wakes for replies until that result is resolved — a
+control request (and its reply), and stop. A training loop that opens and closes a window per
+step and reads no result mid-loop thus costs ``1 / _IDLE_WAKE_S`` wake-ups a second whatever
+its step rate, instead of two wake-ups (two GIL hand-offs) per step.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import shutil
@@ -41,8 +46,8 @@ __all__ = ["SamplerProcess"]
 
 logger = logging.getLogger(__name__)
 
-#: Longest the I/O thread sleeps: the most an opening edge waits before it is sent, and how
-#: soon a dead child is noticed (seconds).
+#: Longest the I/O thread sleeps: the most an edge waits before it is sent when nobody waits for
+#: its result, and how soon a dead child is noticed (seconds).
 _IDLE_WAKE_S = 0.1
 
 
@@ -189,6 +194,8 @@ class SamplerProcess:
         #: Times the I/O thread woke up (a figure for tests and benchmarks).
         self.io_wakeups = 0
         self._pending: dict[int, WindowResult] = {}
+        # Windows whose result a reader is blocked on: replies wake the I/O thread meanwhile.
+        self._hurried: set[int] = set()
         self._controls: dict[int, Future[Any]] = {}
         self._control_seq = 0
         # Reentrant: a signal handler may restore limits or clocks (a control request) while
@@ -269,15 +276,12 @@ class SamplerProcess:
     def send_edge(self, edge: Edge) -> None:
         """Queue one edge for the child: a deque append on the caller's thread.
 
-        A closing edge wakes the I/O thread, which sends it at once (with any opening edges
-        queued before it); an opening edge is sent by the next wake-up, within
-        ``_IDLE_WAKE_S``: the child only needs it before it finalizes the window.
+        The edge is sent by the I/O thread's next wake-up, within ``_IDLE_WAKE_S``, or at once
+        when a reader blocks on the window's result (see :meth:`expect`).
         """
         if self._failure is not None:
             raise RuntimeError(self._failure)
         self._outbox.append(self._enc.encode(edge))
-        if not edge.open:
-            self._wake()
 
     def _wake(self) -> None:
         """Wake the I/O thread (one pipe write per wake-up, however many callers ask)."""
@@ -290,12 +294,25 @@ class SamplerProcess:
             pass  # the pipe already holds a wake-up, or it is closed (stopping)
 
     def expect(self, result: WindowResult) -> None:
-        """Resolve ``result`` when the child reports its window."""
+        """Resolve ``result`` when the child reports its window.
+
+        A reader blocking on ``result`` first wakes the I/O thread, so the window's queued
+        closing edge is sent without waiting for the next idle wake-up, and its reply is read
+        as soon as it comes.
+        """
         with self._pending_lock:
             if self._failure is not None:
                 result._fail(RuntimeError(self._failure))
                 return
+            result._on_wait = functools.partial(self._hurry, result.window_id)
             self._pending[result.window_id] = result
+
+    def _hurry(self, window_id: int) -> None:
+        with self._pending_lock:
+            if window_id not in self._pending:
+                return  # resolved meanwhile
+            self._hurried.add(window_id)
+        self._wake()
 
     def control(
         self,
@@ -343,14 +360,20 @@ class SamplerProcess:
             outbox.popleft()
 
     def _read_replies(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._replies, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        # Replies wake the thread only while someone waits for one (see the module docstring).
+        urgent = zmq.Poller()
+        urgent.register(self._replies, zmq.POLLIN)
+        urgent.register(self._wake_r, zmq.POLLIN)
+        relaxed = zmq.Poller()
+        relaxed.register(self._wake_r, zmq.POLLIN)
         timeout_ms = round(_IDLE_WAKE_S * 1e3)
         while True:
-            # Clear the flag before sending, so an edge queued after this flush wakes us again.
+            # Clear the flag before sending, so a request queued after this flush wakes us again.
             self._woken = False
             self._flush_edges()
+            if not self._drain_replies():
+                return
+            poller = urgent if self._hurried or self._controls else relaxed
             try:
                 # Edges left in the outbox (the child's queue was full) are retried soon.
                 ready = dict(poller.poll(5 if self._outbox else timeout_ms))
@@ -362,40 +385,50 @@ class SamplerProcess:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
                     pass
-                if self._replies not in ready:
-                    continue
-            if self._replies in ready:
-                try:
-                    reply = self._dec.decode(self._replies.recv())
-                except (zmq.ZMQError, msgspec.DecodeError):
-                    return
-                if reply.kind == "measurement" and reply.measurement is not None:
-                    with self._pending_lock:
-                        result = self._pending.pop(reply.measurement.window_id, None)
-                    if result is not None:
-                        result._resolve(reply.measurement)
-                elif reply.kind == "control":
-                    with self._pending_lock:
-                        future = self._controls.pop(reply.seq, None)
-                    if future is not None:
-                        if reply.error_type or reply.message:
-                            future.set_exception(control_error(reply.error_type, reply.message))
-                        else:
-                            future.set_result(None)
-                elif reply.kind == "error":
-                    self._fail_all(f"sampler process failed: {reply.message}")
+            if ready and not self._stopped:
                 continue
             if self._proc.poll() is not None:
+                self._drain_replies()  # its last replies (a stop finalizes every window)
                 if not self._stopped:
                     self._fail_all(f"sampler process exited: {self._child_error()}")
                 else:
                     self._fail_all("the monitor was closed before this window was measured")
                 return
 
+    def _drain_replies(self) -> bool:
+        """Handle every reply waiting on the socket (one wake-up for a burst of them).
+
+        Returns ``False`` when the socket is gone or the stream is garbage (stop reading).
+        """
+        while True:
+            try:
+                reply = self._dec.decode(self._replies.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return True
+            except (zmq.ZMQError, msgspec.DecodeError):
+                return False
+            if reply.kind == "measurement" and reply.measurement is not None:
+                with self._pending_lock:
+                    result = self._pending.pop(reply.measurement.window_id, None)
+                    self._hurried.discard(reply.measurement.window_id)
+                if result is not None:
+                    result._resolve(reply.measurement)
+            elif reply.kind == "control":
+                with self._pending_lock:
+                    future = self._controls.pop(reply.seq, None)
+                if future is not None:
+                    if reply.error_type or reply.message:
+                        future.set_exception(control_error(reply.error_type, reply.message))
+                    else:
+                        future.set_result(None)
+            elif reply.kind == "error":
+                self._fail_all(f"sampler process failed: {reply.message}")
+
     def _fail_all(self, message: str) -> None:
         with self._pending_lock:
             self._failure = message
             pending, self._pending = self._pending, {}
+            self._hurried.clear()
             controls, self._controls = self._controls, {}
         if not self._stopped:
             logger.error("%s", message)
@@ -419,6 +452,10 @@ class SamplerProcess:
         except subprocess.TimeoutExpired:
             logger.warning("sampler process did not stop within %.0f s; killing it", timeout_s)
             self._kill()
+        try:
+            os.write(self._wake_w, b"\0")  # the I/O thread: see that the child is gone, and end
+        except OSError:
+            pass
         self._reader.join(timeout=5)
         self._cleanup()
 
