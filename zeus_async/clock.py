@@ -18,6 +18,7 @@ import time
 from typing import Protocol, runtime_checkable
 
 import anyio
+import anyio.to_thread
 
 __all__ = ["Clock", "FakeClock", "RealClock"]
 
@@ -37,6 +38,13 @@ class Clock(Protocol):
     async def sleep_until(self, monotonic_ns: int) -> None:
         """Sleep until ``monotonic_ns()`` reaches the deadline (return at once if past)."""
         ...
+
+
+def _worker_threads_busy() -> bool:
+    """Whether work handed to anyio's worker threads (file writes, compression, offloaded
+    reads) is still running. It takes real time, and whoever waits for it is not among the
+    sleepers, so an autojump meanwhile would skip past deadlines they would have met."""
+    return anyio.to_thread.current_default_thread_limiter().borrowed_tokens > 0
 
 
 class RealClock:
@@ -121,7 +129,7 @@ class FakeClock:
                 quiet = 0
                 continue
             quiet += 1
-            if quiet >= self._settle and self._heap:
+            if quiet >= self._settle and self._heap and not _worker_threads_busy():
                 self._wake_until(self._heap[0][0])
                 quiet = 0
                 seen = self._epoch

@@ -24,9 +24,13 @@ def test_monitor_runs_on_the_simulator_and_prints_totals() -> None:
     for row in gpu_rows.values():
         energy, seconds, mean_w = float(row[1]), float(row[2]), float(row[3])
         assert 0.8 < seconds < 5.0  # the span of samples: VM stalls can stretch it
-        # Between idle and the power limit, give or take the demo's +-2 W sensor noise, which
-        # enters through the partial counter periods at both ends of the span.
-        assert 68.0 <= mean_w <= 702.0
+        # Between idle (70 W) and the power limit (700 W), give or take the demo's +-2 W sensor
+        # noise (it enters through the partial counter periods at both ends of the span) and
+        # this VM's stalls: a reading is stamped just before the simulator computes it, so a
+        # stall of d between the two moves up to 700 W x d across the span's ends. 3 % of
+        # the range (~20 W over a 1.2 s span) covers stalls up to ~35 ms; it failed 1 run in
+        # 40 at 702 W (705.9 W).
+        assert 66.0 <= mean_w <= 721.0
         assert energy == pytest.approx(mean_w * seconds, rel=0.01)
         assert row[4] == "counter+interpolated"
     assert "Traceback" not in proc.stderr

@@ -414,10 +414,11 @@ async def test_simulated_run_against_ground_truth(tmp_path: Path) -> None:
         async with Runtime(
             backend="sim", cpus=None, sim_config=config, clock=clock, windows=True, record=path
         ) as rt:
-            await clock.sleep_until(clock.monotonic_ns() + 500 * MS)
-            for name in ("a", "b"):
+            # Edges at fixed stream times: the same phases of the square wave in every run.
+            for name, start_ms in (("a", 800), ("b", 2600)):
+                await clock.sleep_until(start_ms * MS)
                 async with rt.window(name) as w:
-                    await clock.sleep_until(clock.monotonic_ns() + 1000 * MS)
+                    await clock.sleep_until((start_ms + 1000) * MS)
                 assert w.result is not None
                 await w.result.wait_async()
             await clock.sleep_until(clock.monotonic_ns() + 300 * MS)

@@ -460,7 +460,7 @@ class WindowTracker:
         from power samples. Returns whether priming completed."""
         with anyio.move_on_after(timeout_s):
             while not self.primed():
-                await anyio.sleep(0.005)
+                await self._sleep(0.005)
             return True
         logger.info("windows: energy counters not primed within %.2f s", timeout_s)
         return False
@@ -484,7 +484,7 @@ class WindowTracker:
         """
         try:
             while True:
-                await anyio.sleep(period_s)
+                await self._sleep(period_s)
                 self.pump()
         finally:
             self.pump(force=True)
@@ -492,8 +492,14 @@ class WindowTracker:
     async def _tick(self) -> None:
         # Finalizes windows on their deadline even when no event arrives (no device, GPU lost).
         while True:
-            await anyio.sleep(0.02)
+            await self._sleep(0.02)
             self.pump()
+
+    async def _sleep(self, seconds: float) -> None:
+        # On the tracker's clock: under a fake clock, priming and finalization then happen at
+        # the same stream times in every run (a real-time poll would see the fake clock jump
+        # by however much it did meanwhile).
+        await self.clock.sleep_until(self.clock.monotonic_ns() + round(seconds * 1e9))
 
 
 class ReplayedWindows:
