@@ -18,7 +18,8 @@ released, like a ctypes call), with ``sync_execution=False``:
 4. ``background``: the CPU the monitor spends beside the caller's own thread, same setup as
    ``training`` with a 40 ms sleep for a step: the training process's other threads (the
    sampler process's I/O thread) and the sampler process, idle (no window) and with one window
-   per step.
+   per step (scheduler run time where Linux gives it), the I/O thread's wake-ups per second,
+   and begin+end on the caller's thread after each 40 ms sleep (cold caches).
 
 Run: ``bench/.venv/bin/python bench/bench_monitor.py [--quick] [--json PATH]``.
 """
@@ -384,14 +385,21 @@ def bench_background(seconds: float) -> dict[str, float]:
             (p0, k0), t0 = cpu(), time.perf_counter()
             w0 = proc.io_wakeups if proc is not None else 0
             i = 0
+            edges_ns: list[int] = []
             while time.perf_counter() - t0 < seconds:
                 if mode == "idle":
                     time.sleep(0.04)
                     continue
+                c0 = time.perf_counter_ns()
                 om.begin_window(f"s{i}", sync_execution=False)
+                c1 = time.perf_counter_ns()
                 time.sleep(0.04)
+                c2 = time.perf_counter_ns()
                 om.end_window(f"s{i}", sync_execution=False)
+                edges_ns.append(c1 - c0 + time.perf_counter_ns() - c2)
                 i += 1
+            if edges_ns:
+                out["edges_us_after_step"] = statistics.median(edges_ns) / 1e3
             (p1, k1), wall = cpu(), time.perf_counter() - t0
             out[f"parent_threads:{mode}"] = (p1 - p0) / wall
             out[f"sampler_process:{mode}"] = (k1 - k0) / wall
@@ -506,6 +514,10 @@ def main() -> int:
         source = "scheduler run time" if bg["precise_cpu"] else "user + system ticks"
         steps = bg["steps_per_s:window per 40 ms step"]
         print(f"\n(% of one core, from {source}; {steps:.1f} steps per second)")
+        print(
+            f"begin+end on the caller's thread, a 40 ms sleep apart (cold caches): median "
+            f"{bg['edges_us_after_step']:.1f} µs"
+        )
     if "contention" in parts:
         ct = results["contention"]
         lo, hi = ct["slowdown_ci"]
