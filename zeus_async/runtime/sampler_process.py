@@ -452,10 +452,8 @@ class SamplerProcess:
         except subprocess.TimeoutExpired:
             logger.warning("sampler process did not stop within %.0f s; killing it", timeout_s)
             self._kill()
-        try:
-            os.write(self._wake_w, b"\0")  # the I/O thread: see that the child is gone, and end
-        except OSError:
-            pass
+        self._woken = False  # one more wake-up, even if stop's own is still unread:
+        self._wake()  # the I/O thread sees that the child is gone, and ends
         self._reader.join(timeout=5)
         self._cleanup()
 
