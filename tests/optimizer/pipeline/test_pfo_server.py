@@ -85,6 +85,37 @@ def test_point_solution_rounds_and_dumps(tmp_path: Path) -> None:
     assert not (dump / "1.prof.json").exists()
 
 
+def test_a_stopping_server_finishes_its_dumps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The final schedule is dumped after it is handed out; a server stopped right then (here
+    # while a slowed-down dump is under way) must still write it.
+    import anyio
+
+    from zeus_async.optimizer.pipeline import server as server_mod
+
+    save_sched = server_mod.save_sched
+
+    async def slow_save_sched(*args: object) -> None:
+        await anyio.sleep(0.3)
+        await save_sched(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(server_mod, "save_sched", slow_save_sched)
+    args = {"solution_path": _plan_file(tmp_path, 2)}
+    with running_server(tmp_path, scheduler="PointSolution", scheduler_args=args) as (_, ep):
+        c0, c1 = clients(ep, 2)
+        job_id = c0.register_job(JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2))
+        c0.register_rank(job_id, _rank(0, 0))
+        c1.register_rank(job_id, _rank(1, 1))
+        replies = [c.get_schedule(job_id, r) for r, c in enumerate((c0, c1))]
+        for r, c in enumerate((c0, c1)):
+            c.report(job_id, result_for(replies[r].schedule))
+        finals = [c.get_schedule(job_id, r) for r, c in enumerate((c0, c1))]
+        assert [f.final for f in finals] == [True, True]
+    dump = tmp_path / "dump" / job_id
+    assert load_sched(dump, 1) == load_sched(dump, 0)
+
+
 def test_error_replies_and_server_keeps_serving(tmp_path: Path) -> None:
     args = {"solution_path": _plan_file(tmp_path, 2)}
     with running_server(tmp_path, scheduler="PointSolution", scheduler_args=args) as (_, ep):

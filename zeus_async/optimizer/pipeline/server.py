@@ -361,7 +361,8 @@ class PfoServer:
                 await job.all_registered.wait()
                 ranks = [job.ranks[r] for r in sorted(job.ranks)]
                 if dump is not None:
-                    await save_ranks(ranks, dump)
+                    with anyio.CancelScope(shield=True):  # a stopping server finishes its dumps
+                        await save_ranks(ranks, dump)
                 job.state = "planning"
                 # Planning runs in worker threads; a stopping server does not wait for it.
                 scheduler = await anyio.to_thread.run_sync(
@@ -395,14 +396,16 @@ class PfoServer:
                     if job.final:  # the scheduler is done: no more rounds, nothing to report
                         logger.info("job %s: final schedule (round %d)", job_id, job.round)
                         if dump is not None:
-                            await save_sched(scheds, dump, job.round)
+                            with anyio.CancelScope(shield=True):
+                                await save_sched(scheds, dump, job.round)
                         return
                     await job.all_reported.wait()
                     job.last_active = self._clock()
                     results = [job.results[r] for r in sorted(job.results)]
                     if dump is not None:
-                        await save_sched(scheds, dump, job.round)
-                        await save_prof(results, dump, job.round)
+                        with anyio.CancelScope(shield=True):
+                            await save_sched(scheds, dump, job.round)
+                            await save_prof(results, dump, job.round)
                     job.state = "planning"
                     await anyio.to_thread.run_sync(
                         scheduler.observe, results, abandon_on_cancel=True
