@@ -49,6 +49,7 @@ def _cpu_all_including_reaped() -> float:
 
 
 def worker(kind: str, gpus: int, period: float, duration: float, fields: str) -> dict[str, Any]:
+    adaptive = kind == "adaptive"
     extra: dict[str, Any] = {}
     if kind == "floor":
         # The least any 100 Hz sampler can pay: the same NVML calls from a bare loop, nothing
@@ -114,7 +115,9 @@ def worker(kind: str, gpus: int, period: float, duration: float, fields: str) ->
         field_map: dict[str, float | None] | None
         field_map = {"power_w": None} if fields == "power" else dict.fromkeys(GPU_FIELDS)
         c0, w0 = _cpu_all_including_reaped(), time.perf_counter()
-        rt = EmbeddedRuntime(backend="nvml", cpus=None, period_s=period, fields=field_map)
+        rt = EmbeddedRuntime(
+            backend="nvml", cpus=None, period_s=period, fields=field_map, adaptive_reads=adaptive
+        )
         rt.start()
         assert rt.runtime is not None
         c1_tree = _cpu_tree()
@@ -123,6 +126,8 @@ def worker(kind: str, gpus: int, period: float, duration: float, fields: str) ->
         samples = sum(s.stats.reads for s in rt.runtime.samplers)
         extra["missed_ticks"] = sum(s.stats.missed_ticks for s in rt.runtime.samplers)
         extra["offloaded"] = sum(s.stats.offloaded for s in rt.runtime.samplers)
+        extra["skipped_ticks"] = sum(s.stats.skipped_ticks for s in rt.runtime.samplers)
+        extra["unbracketed"] = sum(s.unbracketed_changes for s in rt.runtime.samplers)
         rt.stop()
         c3 = _cpu_all_including_reaped()
         startup = c1_tree
@@ -172,7 +177,7 @@ def run_worker(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--worker", choices=("zeus", "ours", "floor"))
+    parser.add_argument("--worker", choices=("zeus", "ours", "adaptive", "floor"))
     parser.add_argument("--gpus", type=int, default=4)
     parser.add_argument("--period", type=float, default=0.01)
     parser.add_argument("--duration", type=float, default=10.0)

@@ -341,3 +341,37 @@ def test_power_limit_changes_land_in_the_order_asked(sampler: str, tmp_path: Pat
     changes = [e for e in RecordingReader(path) if isinstance(e, PowerLimitChange)]
     assert [c.power_limit_w for c in changes] == asked
     assert [c.previous_w for c in changes[1:]] == asked[:-1]
+
+
+@pytest.mark.parametrize("sampler", ["process", "thread"])
+def test_adaptive_reads_in_either_sampler(tmp_path: Path, sampler: str) -> None:
+    """``adaptive_reads`` reaches the runtime in either sampler: energy-counter reads are
+    skipped once its refresh is learnt, and the window still matches the truth."""
+    from zeus_async.events import GpuSample
+    from zeus_async.store import RecordingReader
+
+    path = tmp_path / "run.zarc"
+    node = SimNode(CONFIG)
+    with Monitor(
+        backend="sim",
+        cpu_indices=[],
+        sim_config=CONFIG,
+        sampler=sampler,
+        record=path,
+        adaptive_reads=True,
+    ) as mon:
+        time.sleep(0.8)  # long enough to learn the 100 ms refresh
+        mon.begin_window("w")
+        time.sleep(0.4)
+        m = mon.end_window("w").wait(timeout=3)
+    sim_pynvml.uninstall()
+    for gpu in (0, 1):
+        truth = node.truth_energy_j(gpu, m.start_ns, m.end_ns)
+        assert m.gpu_energy_j[gpu] == pytest.approx(truth, rel=0.05)
+    events = [e for e in RecordingReader(path) if isinstance(e, GpuSample) and e.gpu == 0]
+    span_s = (events[-1].t_ns - events[0].t_ns) / 1e9
+    energy_reads = sum(e.energy_j is not None for e in events)
+    # Every 10 ms would be ~100 per second; learning, then ~2 reads per 100 ms refresh.
+    assert energy_reads < 0.6 * span_s / 0.01
+    # Constant power never changes, so power is read on every tick.
+    assert sum(e.power_w is not None for e in events) > 0.8 * span_s / 0.01

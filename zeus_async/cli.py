@@ -96,6 +96,11 @@ def _build_parser() -> argparse.ArgumentParser:
     mon.add_argument("--gpus", type=_int_list, default=None, help="GPU indices, e.g. 0,1")
     mon.add_argument("--cpus", choices=("auto", "none"), default="auto", help="RAPL packages")
     mon.add_argument("--period", type=_positive_float, default=0.01, help="sampling period (s)")
+    mon.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="skip power/energy reads that can only repeat the last value (same integrals)",
+    )
     mon.add_argument("--publish", metavar="ENDPOINT", help="also publish on a ZeroMQ endpoint")
     mon.add_argument("--record", metavar="FILE", help="also record every event to FILE")
     mon.add_argument("--duration", type=_positive_float, default=None, help="stop after S s")
@@ -208,6 +213,7 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
             gpus=args.gpus,
             cpus="auto" if args.cpus == "auto" else None,
             period_s=args.period,
+            adaptive_reads=args.adaptive,
             publish=args.publish,
             sim_config=sim_config,
             consumers=[consume],

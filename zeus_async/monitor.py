@@ -162,7 +162,10 @@ class Monitor(ClosedOnExit):
             :attr:`prometheus_port`).
         **runtime_options: More :class:`~zeus_async.runtime.Runtime` arguments (``clock``,
             ``sim_config``, ``fields``, ...). By default only ``power_w`` and ``energy_j`` are
-            sampled, at ``sample_period``: that is all windows need.
+            sampled, at ``sample_period``: that is all windows need. ``adaptive_reads=True``
+            skips the reads that can only repeat the last value (window energy unchanged).
+            With ``sampler='process'`` only ``fields``, ``sim_config`` and ``adaptive_reads``
+            apply.
 
     The monitor starts at construction and stops at :meth:`close`, at exit of a ``with``
     block, or at interpreter exit.
@@ -214,7 +217,7 @@ class Monitor(ClosedOnExit):
         self._embedded: EmbeddedRuntime | None = None
         self._tracker: WindowTracker | None = None
         if sampler == "process":
-            unknown = set(runtime_options) - {"fields", "sim_config"}
+            unknown = set(runtime_options) - {"fields", "sim_config", "adaptive_reads"}
             if unknown:
                 raise ConfigError(
                     f"{', '.join(sorted(unknown))}: not available with sampler='process' "

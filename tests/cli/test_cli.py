@@ -42,6 +42,12 @@ def test_monitor_selects_gpus() -> None:
     assert "2 device(s)" in proc.stdout and "gpu:0" not in proc.stdout
 
 
+def test_monitor_with_adaptive_reads() -> None:
+    proc = run_cli("monitor", "--backend", "sim", "--adaptive", "--duration", "0.8")
+    assert proc.returncode == 0, proc.stderr
+    assert "gpu:0" in proc.stdout and "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -59,6 +59,7 @@ async def _run(cfg: ChildConfig) -> None:
             cpus=cfg.cpus if cfg.cpus is not None else "auto",
             period_s=cfg.period_s,
             fields=cfg.fields,
+            adaptive_reads=cfg.adaptive_reads,
             publish=cfg.publish,
             sim_config=sim_config,
             windows=True,

@@ -84,6 +84,9 @@ class Runtime:
         period_s: Base sampling period (default 10 ms).
         fields: GPU field name to its period in seconds (``None`` = base period); default
             :data:`DEFAULT_GPU_FIELDS`. Fields a device lacks are skipped.
+        adaptive_reads: Skip the reads of power and energy fields (those on the base period)
+            that can only repeat their last value, once their refresh period is learnt; what
+            consumers integrate is unchanged (:mod:`~zeus_async.runtime.change_tracker`).
         clock: Injected clock (tests use :class:`~zeus_async.clock.FakeClock`).
         host: Host id stamped on events (default: the host name).
         publish: A ZeroMQ endpoint to publish on (``tcp://127.0.0.1:5555``, ``ipc://...``) or a
@@ -121,6 +124,7 @@ class Runtime:
         cpus: Sequence[int] | str | None = "auto",
         period_s: float = 0.01,
         fields: Mapping[str, float | None] | None = None,
+        adaptive_reads: bool = False,
         clock: Clock | None = None,
         host: str | None = None,
         publish: str | Any | None = None,
@@ -149,6 +153,7 @@ class Runtime:
         self._cpus = cpus
         self.period_s = period_s
         self._fields = dict(fields if fields is not None else DEFAULT_GPU_FIELDS)
+        self._adaptive = adaptive_reads
         self.clock: Clock = clock or RealClock()
         self.host = host or socket.gethostname()
         self._publish_arg = publish
@@ -367,6 +372,7 @@ class Runtime:
                             period_s=self.period_s,
                             fields=self._fields_for(device),
                             grid_origin_ns=origin,
+                            adaptive=self._adaptive,
                         )
                         self.samplers.append(sampler)
                         await tg.start(sampler.run)

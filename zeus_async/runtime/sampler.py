@@ -13,6 +13,12 @@ longer than ``offload_after_s`` three times is moved to a worker thread for good
 hung driver call cannot keep stalling the other samplers or window edges (one slow read can be
 the process being descheduled, so it is not enough on its own).
 
+With ``adaptive=True`` the power and energy fields read on every tick get a
+:class:`~zeus_async.runtime.change_tracker.ChangeTracker` each: once a field's refresh period is
+learnt, the ticks on which it can only repeat its last value are not read (see that module for
+why the published series then integrates exactly like the full one). A tick with nothing left
+to read does not wake the task at all.
+
 A :class:`~zeus_async.errors.DeviceError` becomes a :class:`~zeus_async.events.DeviceFault`
 event; the device then backs off (exponentially, capped) and retries while the others keep
 sampling.
@@ -33,6 +39,7 @@ from ..clock import Clock, RealClock
 from ..devices.base import Device
 from ..errors import ConfigError, DeviceError, NotSupportedError
 from ..events import DeviceFault, Event
+from .change_tracker import ADAPTIVE_FIELDS, ChangeTracker
 from .hub import Hub
 
 __all__ = ["Sampler", "SamplerStats", "field_ratios"]
@@ -68,12 +75,14 @@ _SLOW_READS_BEFORE_OFFLOAD = 3
 class SamplerStats:
     """Counters of one sampler."""
 
-    __slots__ = ("errors", "missed_ticks", "offloaded", "reads", "slow_reads")
+    __slots__ = ("errors", "missed_ticks", "offloaded", "reads", "skipped_ticks", "slow_reads")
 
     def __init__(self) -> None:
         self.reads = 0
         self.slow_reads = 0
         self.missed_ticks = 0
+        #: Ticks not read because adaptive reads had nothing to ask for on them.
+        self.skipped_ticks = 0
         self.errors = 0
         self.offloaded = False
 
@@ -128,6 +137,8 @@ class Sampler:
         grid_origin_ns: Monotonic time the deadline grid is anchored to. Samplers of one
             runtime share it, so devices with the same period wake in the same loop turn
             (one wakeup per tick instead of one per device). Default: the sampler's start.
+        adaptive: Skip the reads of power and energy fields that can only repeat the last
+            value (:mod:`~zeus_async.runtime.change_tracker`).
     """
 
     def __init__(
@@ -142,6 +153,7 @@ class Sampler:
         offload_after_s: float = 0.02,
         backoff_s: tuple[float, float] = (0.1, 5.0),
         grid_origin_ns: int | None = None,
+        adaptive: bool = False,
     ) -> None:
         self.device = device
         self._hub = publish if isinstance(publish, Hub) else None
@@ -162,6 +174,17 @@ class Sampler:
         self._backoff = backoff_s
         self._origin = grid_origin_ns
         self.stats = SamplerStats()
+        #: Field name to its tracker (adaptive reads; fields read on every tick only).
+        self.trackers: dict[str, ChangeTracker] = {
+            name: ChangeTracker()
+            for name, ratio in ratios.items()
+            if adaptive and ratio == 1 and name in ADAPTIVE_FIELDS
+        }
+
+    @property
+    def unbracketed_changes(self) -> int:
+        """Changes adaptive reads saw only after skipped ticks (see :class:`ChangeTracker`)."""
+        return sum(t.unbracketed for t in self.trackers.values())
 
     def _due(self, tick: int) -> tuple[str, ...]:
         phase = tick % self._cycle
@@ -169,7 +192,26 @@ class Sampler:
         if due is None:
             due = tuple(f for f, r in self._ratios.items() if phase % r == 0)
             self._due_cache[phase] = due
+        trackers = self.trackers
+        if trackers:
+            due = tuple(f for f in due if f not in trackers or trackers[f].wants(tick))
         return due
+
+    def _next_tick(self, tick: int) -> int:
+        """The first tick at or after ``tick`` with a field to read."""
+        if self.trackers:
+            first = tick
+            while not self._due(tick):
+                tick += 1
+            self.stats.skipped_ticks += tick - first
+        return tick
+
+    def _observe(self, tick: int, due: tuple[str, ...], events: Sequence[Event]) -> None:
+        sample = events[0] if events else None
+        for name in due:
+            tracker = self.trackers.get(name)
+            if tracker is not None:
+                tracker.observe(tick, getattr(sample, name, None))
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Sample until cancelled. Signals readiness after the first successful read attempt."""
@@ -208,6 +250,8 @@ class Sampler:
                 if not started:
                     task_status.started()
                     started = True
+                for tracker in self.trackers.values():
+                    tracker.reset()  # ticks go unread: learn the refresh again
                 # Resume on the grid after the back-off.
                 resume = clock.monotonic_ns() + round(delay * 1e9)
                 await sleep_until(resume)
@@ -217,6 +261,8 @@ class Sampler:
                 logger.info("%s: reading again after %d failure(s)", device.key, failures)
                 failures = 0
             stats.reads += 1
+            if self.trackers:
+                self._observe(tick, due, events)
             for event in events:
                 if hub is not None:
                     index = hub.try_publish(event)
@@ -227,14 +273,14 @@ class Sampler:
             if not started:
                 task_status.started()
                 started = True
-            tick += 1
+            tick = self._next_tick(tick + 1)
             deadline = start + tick * period
             now = clock.monotonic_ns()
             if now >= deadline:
                 # Late: skip to the next grid point in the future.
                 skipped = (now - deadline) // period + 1
                 stats.missed_ticks += skipped
-                tick += skipped
+                tick = self._next_tick(tick + skipped)
                 deadline = start + tick * period
             await sleep_until(deadline)
 

@@ -61,6 +61,7 @@ class ChildConfig(msgspec.Struct, frozen=True):
     cpus: list[int] | None = None
     period_s: float = 0.01
     fields: dict[str, float | None] | None = None
+    adaptive_reads: bool = False
     publish: str | None = None
     log_file: str | None = None
     finalize_timeout_s: float = 0.5
@@ -136,7 +137,7 @@ class SamplerProcess:
     """A runtime with measurement windows, running in a child process.
 
     Args:
-        backend, gpus, cpus, period_s, fields, publish, finalize_timeout_s: As for
+        backend, gpus, cpus, period_s, fields, adaptive_reads, publish, finalize_timeout_s: As for
             :class:`~zeus_async.runtime.Runtime`.
         log_file: Window log written by the child (CSV or JSON lines).
         sim_config: A :class:`~zeus_async.devices.sim.SimConfig` for the ``sim`` backend.
@@ -161,6 +162,7 @@ class SamplerProcess:
         cpus: Sequence[int] | None = None,
         period_s: float = 0.01,
         fields: Mapping[str, float | None] | None = None,
+        adaptive_reads: bool = False,
         publish: str | None = None,
         log_file: str | os.PathLike[str] | None = None,
         finalize_timeout_s: float = 0.5,
@@ -214,6 +216,7 @@ class SamplerProcess:
             cpus=list(cpus) if cpus is not None else None,
             period_s=period_s,
             fields=dict(fields) if fields is not None else None,
+            adaptive_reads=adaptive_reads,
             publish=publish,
             log_file=os.fspath(log_file) if log_file is not None else None,
             finalize_timeout_s=finalize_timeout_s,

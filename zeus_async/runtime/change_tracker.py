@@ -1,0 +1,131 @@
+"""Adaptive reads: skip the ticks on which a field can only repeat its last value.
+
+NVML refreshes power and energy on the driver's own cadence (every 100 ms on H100s), so a
+100 Hz poll reads each value about ten times. With adaptive reads on, the sampler keeps one
+:class:`ChangeTracker` per power/energy field. The tracker learns the field's refresh period
+from what it reads and, once that period is stable, asks for reads only around the expected
+refresh: ``guard`` ticks before it, then every tick until the new value shows up.
+
+**Equivalence.** Every change is still seen *bracketed*: the read on the tick just before it
+returned the old value, as a read on every tick would have. The skipped reads fall between two
+reads of the same value (the field had not refreshed), so a consumer that interpolates linearly
+between samples, as the trapezoid rule of windows and live totals does, gets the same energy from
+the sparse series as from the full one. Change times are known to one tick, as before.
+
+**Anything unexpected goes back to reading every tick** (the *learning* state) until the period
+is seen again ``lock_after`` times in a row:
+
+* a change on the first read after skipped ticks (the refresh came before the guard, so that
+  change is not bracketed: counted in :attr:`ChangeTracker.unbracketed`); the guard also widens
+  by one tick, up to ``max_guard``, so a refresh that sits on a tick boundary and lands on either
+  side of it from one period to the next stays bracketed;
+* no change for a whole period past the expected one (the value held still, or the source
+  slowed down);
+* a refresh period shorter than ``min_period`` ticks, or intervals that differ: nothing is ever
+  skipped for such a field.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+__all__ = ["ADAPTIVE_FIELDS", "ChangeTracker"]
+
+#: Fields the sampler tracks with adaptive reads on: those NVML refreshes on the driver's power
+#: cadence. Other fields (clocks, memory, temperature, ...) keep their fixed periods.
+ADAPTIVE_FIELDS: frozenset[str] = frozenset({"power_w", "avg_power_w", "energy_j"})
+
+
+class ChangeTracker:
+    """Learns when one field refreshes and says which ticks must be read.
+
+    Ticks are the sampler's grid indices. Call :meth:`wants` before a tick and
+    :meth:`observe` with every value read.
+
+    Args:
+        lock_after: Bracketed intervals of equal length needed before skipping starts.
+        min_period: Shortest refresh period (ticks) worth skipping for.
+        max_guard: Widest guard (reads before the expected refresh).
+    """
+
+    __slots__ = (
+        "_changes",
+        "_expect",
+        "_last_tick",
+        "_last_value",
+        "_lock_after",
+        "_max_guard",
+        "_min_period",
+        "guard",
+        "period",
+        "unbracketed",
+    )
+
+    def __init__(self, *, lock_after: int = 3, min_period: int = 3, max_guard: int = 3) -> None:
+        if lock_after < 1 or min_period < 2 or max_guard < 1:
+            raise ValueError("lock_after >= 1, min_period >= 2 and max_guard >= 1 are required")
+        self._lock_after = lock_after
+        self._min_period = min_period
+        self._max_guard = max_guard
+        self._last_tick: int | None = None
+        self._last_value: object = None
+        self._changes: list[int] = []  # ticks of recent bracketed changes
+        self._expect = 0
+        #: The locked refresh period in ticks; ``None`` while learning (every tick is read).
+        self.period: int | None = None
+        #: Reads before the expected refresh.
+        self.guard = 1
+        #: Changes seen after skipped ticks while locked (not bracketed).
+        self.unbracketed = 0
+
+    def wants(self, tick: int) -> bool:
+        """Whether ``tick`` must be read."""
+        return self.period is None or tick >= self._expect - self.guard
+
+    def next_wanted(self, tick: int) -> int:
+        """The first tick at or after ``tick`` that must be read."""
+        if self.period is None:
+            return tick
+        return max(tick, self._expect - self.guard)
+
+    def observe(self, tick: int, value: object) -> None:
+        """Account the value read on ``tick`` (``None``: the read failed)."""
+        prev_tick, prev = self._last_tick, self._last_value
+        if value is None:
+            self._last_tick = None  # the next change cannot be bracketed
+            return
+        self._last_tick, self._last_value = tick, value
+        if prev_tick is None or value == prev:
+            if self.period is not None and tick >= self._expect + self.period:
+                self._unlock()  # held still for a whole period past the expected refresh
+            return
+        if prev_tick != tick - 1:
+            if self.period is not None:
+                self.unbracketed += 1
+                self.guard = min(self.guard + 1, self._max_guard)
+                self._unlock()
+            self._changes.clear()  # the change's tick is not known to one tick
+            return
+        changes = self._changes
+        changes.append(tick)
+        if self.period is not None:
+            self._expect = tick + self.period
+            del changes[: -self._lock_after - 1]
+            return
+        if len(changes) > self._lock_after:
+            del changes[: -self._lock_after - 1]
+            first = changes[1] - changes[0]
+            if first >= self._min_period and all(
+                b - a == first for a, b in itertools.pairwise(changes)
+            ):
+                self.period = first
+                self._expect = tick + first
+
+    def reset(self) -> None:
+        """Forget what was learnt (ticks went unread): read every tick again."""
+        self._last_tick = None
+        self._unlock()
+
+    def _unlock(self) -> None:
+        self.period = None
+        self._changes.clear()
