@@ -195,8 +195,10 @@ def main() -> None:
     for _ in range(args.repeat):
         rows.append(run_worker(py, "zeus", 4, 0.01, args.duration, "power", args.latency))
         rows.append(run_worker(py, "ours", 4, 0.01, args.duration, "power", args.latency))
+        rows.append(run_worker(py, "adaptive", 4, 0.01, args.duration, "power", args.latency))
         rows.append(run_worker(py, "floor", 4, 0.01, args.duration, "power", args.latency))
     rows.append(run_worker(py, "ours", 8, 0.01, args.duration, "all", args.latency))
+    rows.append(run_worker(py, "adaptive", 8, 0.01, args.duration, "all", args.latency))
 
     def mean(kind: str, gpus: int, fields: str) -> dict[str, Any]:
         cand = [r for r in rows if (r["kind"], r["gpus"], r["fields"]) == (kind, gpus, fields)]
@@ -204,31 +206,45 @@ def main() -> None:
         for key in ("startup_cpu_s", "steady_cpu_s", "total_cpu_s", "samples"):
             out[key] = sum(r[key] for r in cand) / len(cand)
         out["missed_ticks"] = sum(r.get("missed_ticks", 0) for r in cand)
+        out["unbracketed"] = sum(r.get("unbracketed", 0) for r in cand)
         return out
 
     z, o, o8 = mean("zeus", 4, "power"), mean("ours", 4, "power"), mean("ours", 8, "all")
+    a, a8 = mean("adaptive", 4, "power"), mean("adaptive", 8, "all")
     fl = mean("floor", 4, "power")
     print(
         f"\nSampler CPU cost, {args.duration:g} s at 100 Hz, simulated NVML call "
         f"{args.latency * 1e6:g} us (mean of {args.repeat})\n"
     )
-    print("| sampler | GPUs x fields | values kept | startup CPU s | steady CPU s | total CPU s |")
-    print("|---|---|---:|---:|---:|---:|")
+    print(
+        "| sampler | GPUs x fields | values kept | startup CPU s | steady CPU s | total CPU s "
+        "| changes not bracketed |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|")
     for name, r in (
         ("Zeus 0.16 PowerMonitor (keeps changed values only)", z),
-        ("zeus_async Runtime", o),
+        ("zeus_async Runtime, every tick", o),
+        ("zeus_async Runtime, adaptive reads", a),
         ("floor: bare thread loop, same NVML calls, no output", fl),
-        ("zeus_async Runtime", o8),
+        ("zeus_async Runtime, every tick", o8),
+        ("zeus_async Runtime, adaptive reads", a8),
     ):
+        unbracketed = str(r["unbracketed"]) if r["kind"] == "adaptive" else ""
         print(
             f"| {name} | {r['gpus']} x {r['fields']} | {r['samples']:.0f} "
-            f"| {r['startup_cpu_s']:.3f} | {r['steady_cpu_s']:.3f} | {r['total_cpu_s']:.3f} |"
+            f"| {r['startup_cpu_s']:.3f} | {r['steady_cpu_s']:.3f} | {r['total_cpu_s']:.3f} "
+            f"| {unbracketed} |"
+        )
+    for label, r in (("every tick", o), ("adaptive reads", a)):
+        print(
+            f"\nratio ours ({label})/Zeus, 4 GPUs x power: "
+            f"steady {r['steady_cpu_s'] / z['steady_cpu_s']:.3f}x, "
+            f"total {r['total_cpu_s'] / z['total_cpu_s']:.3f}x (target <= 0.25x)"
         )
     print(
-        f"\nratio ours/Zeus (4 GPUs, power): steady {o['steady_cpu_s'] / z['steady_cpu_s']:.3f}x, "
-        f"total {o['total_cpu_s'] / z['total_cpu_s']:.3f}x (target <= 0.25x); "
-        f"floor/Zeus steady {fl['steady_cpu_s'] / z['steady_cpu_s']:.3f}x; "
-        f"our missed ticks {o['missed_ticks']} (4 GPUs), {o8['missed_ticks']} (8 GPUs)"
+        f"floor/Zeus steady {fl['steady_cpu_s'] / z['steady_cpu_s']:.3f}x; missed ticks: "
+        f"{o['missed_ticks']}, {a['missed_ticks']} (4 GPUs), {o8['missed_ticks']}, "
+        f"{a8['missed_ticks']} (8 GPUs)"
     )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

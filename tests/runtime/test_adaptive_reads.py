@@ -64,14 +64,25 @@ def test_tracker_widens_its_guard_when_a_refresh_comes_early() -> None:
     assert read[-3:] == [293, 294, 295]
 
 
-def test_a_wide_guard_keeps_a_refresh_flipping_across_a_tick_bracketed() -> None:
+def test_tracker_relearns_once_the_widest_guard_is_not_enough() -> None:
+    tracker = ChangeTracker(lock_after=3, max_guard=1)
+    read = feed(tracker, refreshes(10, 5, 70, shift={6: -1}), 70)
+    assert tracker.unbracketed == 1 and tracker.period is None
+    assert read[-6:] == list(range(65, 71))  # every tick again
+
+
+def test_a_refresh_flipping_across_a_tick_locks_with_a_wider_guard() -> None:
     tracker = ChangeTracker(lock_after=3)
-    tracker.guard = 2
-    # Refreshes land on tick 10k+5 or, every other time, one tick earlier.
-    values = refreshes(10, 5, 400, shift={n: -1 for n in range(7, 40, 2)})
-    feed(tracker, values, 400)
-    assert tracker.unbracketed == 0
-    assert tracker.period == 10
+    # Refreshes land on tick 10k+5 or, every other time, one tick earlier: gaps of 9 and 11.
+    values = refreshes(10, 5, 400, shift={n: -1 for n in range(1, 40, 2)})
+    read = feed(tracker, values, 400)
+    assert (tracker.period, tracker.guard) == (10, 2)
+    assert tracker.unbracketed == 0  # every change bracketed, on either side of the boundary
+    assert len(read) < 0.45 * 401
+    # Gaps further apart than two ticks never lock.
+    wild = ChangeTracker(lock_after=3)
+    feed(wild, {t: float(t) for t in (5, 13, 25, 32, 45, 53, 65)}, 70)
+    assert wild.period is None
 
 
 def test_tracker_reads_every_tick_while_the_value_holds_still() -> None:

@@ -12,17 +12,20 @@ reads of the same value (the field had not refreshed), so a consumer that interp
 between samples, as the trapezoid rule of windows and live totals does, gets the same energy from
 the sparse series as from the full one. Change times are known to one tick, as before.
 
-**Anything unexpected goes back to reading every tick** (the *learning* state) until the period
-is seen again ``lock_after`` times in a row:
+The tracker locks onto a period once ``lock_after`` successive gaps between bracketed changes
+agree to within two ticks (a refresh close to a tick boundary is seen on either side of it from
+one period to the next, depending on how late the sampler wakes); it then reads with a guard of
+two ticks if the gaps differed. **Anything unexpected is paid for with more reads, never with a
+hidden change:**
 
-* a change on the first read after skipped ticks (the refresh came before the guard, so that
-  change is not bracketed: counted in :attr:`ChangeTracker.unbracketed`); the guard also widens
-  by one tick, up to ``max_guard``, so a refresh that sits on a tick boundary and lands on either
-  side of it from one period to the next stays bracketed;
-* no change for a whole period past the expected one (the value held still, or the source
-  slowed down);
-* a refresh period shorter than ``min_period`` ticks, or intervals that differ: nothing is ever
-  skipped for such a field.
+* a change on the first read after skipped ticks (the refresh came before the guard): that change
+  is not bracketed and is counted in :attr:`ChangeTracker.unbracketed`; the guard widens by one
+  tick, up to ``max_guard``, beyond which the tracker goes back to reading every tick (the
+  *learning* state);
+* no change for a whole period past the expected one (the value held still, or the source slowed
+  down): back to learning;
+* a refresh period shorter than ``min_period`` ticks, or gaps that differ by more than two ticks:
+  nothing is ever skipped for such a field.
 """
 
 from __future__ import annotations
@@ -100,11 +103,17 @@ class ChangeTracker:
                 self._unlock()  # held still for a whole period past the expected refresh
             return
         if prev_tick != tick - 1:
-            if self.period is not None:
-                self.unbracketed += 1
-                self.guard = min(self.guard + 1, self._max_guard)
-                self._unlock()
             self._changes.clear()  # the change's tick is not known to one tick
+            if self.period is not None:
+                # The refresh came before the guard: that change is not bracketed. Widen the
+                # guard and expect the next refresh a period from here; give up the lock once
+                # the widest guard is not enough either.
+                self.unbracketed += 1
+                if self.guard < self._max_guard:
+                    self.guard += 1
+                    self._expect = tick + self.period
+                else:
+                    self._unlock()
             return
         changes = self._changes
         changes.append(tick)
@@ -114,12 +123,16 @@ class ChangeTracker:
             return
         if len(changes) > self._lock_after:
             del changes[: -self._lock_after - 1]
-            first = changes[1] - changes[0]
-            if first >= self._min_period and all(
-                b - a == first for a, b in itertools.pairwise(changes)
-            ):
-                self.period = first
-                self._expect = tick + first
+            gaps = [b - a for a, b in itertools.pairwise(changes)]
+            # A refresh close to a tick boundary is seen on either side of it from one period
+            # to the next: gaps then differ by up to two ticks around the true period.
+            if max(gaps) - min(gaps) <= 2:
+                period = round(sum(gaps) / len(gaps))
+                if period >= self._min_period:
+                    self.period = period
+                    self._expect = tick + period
+                    if max(gaps) != min(gaps):
+                        self.guard = max(self.guard, 2)
 
     def reset(self) -> None:
         """Forget what was learnt (ticks went unread): read every tick again."""

@@ -180,6 +180,9 @@ class Sampler:
             for name, ratio in ratios.items()
             if adaptive and ratio == 1 and name in ADAPTIVE_FIELDS
         }
+        self._untracked_ratios = sorted(
+            {r for name, r in ratios.items() if name not in self.trackers}
+        )
 
     @property
     def unbracketed_changes(self) -> int:
@@ -199,12 +202,16 @@ class Sampler:
 
     def _next_tick(self, tick: int) -> int:
         """The first tick at or after ``tick`` with a field to read."""
-        if self.trackers:
-            first = tick
-            while not self._due(tick):
-                tick += 1
-            self.stats.skipped_ticks += tick - first
-        return tick
+        trackers = self.trackers
+        if not trackers:
+            return tick
+        # A tracker's next wanted tick, or the next multiple of an untracked field's ratio
+        # (ratios divide the cycle, so that is when the field is due): no tick-by-tick scan.
+        nxt = min(t.next_wanted(tick) for t in trackers.values())
+        for ratio in self._untracked_ratios:
+            nxt = min(nxt, -(-tick // ratio) * ratio)
+        self.stats.skipped_ticks += nxt - tick
+        return nxt
 
     def _observe(self, tick: int, due: tuple[str, ...], events: Sequence[Event]) -> None:
         sample = events[0] if events else None
