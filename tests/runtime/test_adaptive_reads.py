@@ -7,10 +7,11 @@ import itertools
 import anyio
 import pytest
 
+from zeus_async.aggregate.windows import WindowResult
 from zeus_async.clock import FakeClock
 from zeus_async.devices.sim import SimConfig
 from zeus_async.devices.sim_workload import ConstantWorkload, RandomWorkload
-from zeus_async.events import GpuSample
+from zeus_async.events import GpuSample, Measurement
 from zeus_async.runtime import Runtime
 from zeus_async.runtime.change_tracker import ChangeTracker
 from zeus_async.testing import sim_pynvml
@@ -111,14 +112,24 @@ def test_tracker_reset_and_failed_reads_drop_the_bracket() -> None:
     tracker.observe(62, None)  # failed read
     tracker.observe(63, 2.0)  # a change, but the tick before it was not read
     assert tracker.period is None and tracker.unbracketed == 0
+    # A tick the sampler woke too late for: the change after it is not the rule's miss.
+    locked = ChangeTracker(lock_after=3)
+    feed(locked, refreshes(10, 5, 60), 60)
+    locked.missed()
+    locked.observe(66, 99.0)
+    assert (locked.unbracketed, locked.period) == (0, 10)
     with pytest.raises(ValueError):
         ChangeTracker(min_period=1)
 
 
-async def _sample(config: SimConfig, wall_start_ns: int, adaptive: bool) -> tuple[list, Runtime]:
+async def _sample(
+    config: SimConfig, wall_start_ns: int, adaptive: bool
+) -> tuple[list[GpuSample], Runtime, list[Measurement]]:
     clock = FakeClock(wall_start_ns=wall_start_ns)
     fields: dict[str, float | None] = {"power_w": None, "energy_j": None, "temperature_c": 0.05}
     samples: list[GpuSample] = []
+    windows: list[Measurement] = []
+    results: list[WindowResult] = []
     try:
         async with Runtime(
             backend="sim",
@@ -127,6 +138,7 @@ async def _sample(config: SimConfig, wall_start_ns: int, adaptive: bool) -> tupl
             clock=clock,
             fields=fields,
             adaptive_reads=adaptive,
+            windows=True,
         ) as rt:
             stream = rt.subscribe()
 
@@ -137,11 +149,19 @@ async def _sample(config: SimConfig, wall_start_ns: int, adaptive: bool) -> tupl
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(collect)
+                # Windows long and short, at fixed stream times (after the learning phase).
+                for begin_ms, end_ms in ((1003, 2207), (2311, 2329), (2400, 2475)):
+                    await clock.sleep_until(begin_ms * MS)
+                    async with rt.window(f"w{begin_ms}") as w:
+                        await clock.sleep_until(end_ms * MS)
+                    assert w.result is not None
+                    results.append(w.result)
+                windows.extend([await r.wait_async() for r in results])
                 await clock.sleep_until(3 * S + 5 * MS)
                 tg.cancel_scope.cancel()
     finally:
         sim_pynvml.uninstall()
-    return samples, rt
+    return samples, rt, windows
 
 
 def _series(samples: list[GpuSample], gpu: int, field: str) -> list[tuple[int, float]]:
@@ -167,10 +187,10 @@ async def test_adaptive_series_integrates_exactly_like_the_full_one(phase_ms: in
     )
     # The sim refreshes on a 100 ms wall grid: ``phase_ms`` puts it at that offset from ticks.
     start = 1_760_000_000 * S + phase_ms * MS
-    full, _ = await _sample(config, start, adaptive=False)
-    sparse, rt = await _sample(config, start, adaptive=True)
+    full, _, full_windows = await _sample(config, start, adaptive=False)
+    sparse, rt, sparse_windows = await _sample(config, start, adaptive=True)
     stats = [s.stats for s in rt.samplers]
-    assert sum(s.reads for s in stats) < 0.45 * sum(1 for _ in full)
+    assert sum(s.reads for s in stats) < 0.45 * len(full)
     assert sum(s.skipped_ticks for s in stats) > 0
     assert all(s.missed_ticks == 0 for s in stats)
     assert sum(s.unbracketed_changes for s in rt.samplers) == 0
@@ -192,13 +212,21 @@ async def test_adaptive_series_integrates_exactly_like_the_full_one(phase_ms: in
             assert _trapezoid(part, t0, t1) == pytest.approx(_trapezoid(whole, t0, t1), rel=1e-12)
         # Untracked fields keep their own period.
         assert _series(sparse, gpu, "temperature_c") == _series(full, gpu, "temperature_c")
+    # Windows (counter, split inside counter periods by the instant-power readings) agree.
+    assert [round((m.end_ns - m.start_ns) / MS) for m in sparse_windows] == [1204, 18, 75]
+    for a, b in zip(full_windows, sparse_windows, strict=True):
+        assert a.methods == b.methods
+        assert a.methods["gpu:0"] == "counter+interpolated"
+        for gpu in (0, 1):
+            assert a.gpu_energy_j[gpu] > 0
+            assert b.gpu_energy_j[gpu] == pytest.approx(a.gpu_energy_j[gpu], rel=1e-9)
 
 
 @pytest.mark.anyio
 async def test_adaptive_reads_read_every_tick_when_power_holds_still() -> None:
     config = SimConfig(num_gpus=1, seed=1, workload=ConstantWorkload(util=0.5))
-    full, _ = await _sample(config, 1_760_000_000 * S + 4 * MS, adaptive=False)
-    sparse, rt = await _sample(config, 1_760_000_000 * S + 4 * MS, adaptive=True)
+    full, _, _ = await _sample(config, 1_760_000_000 * S + 4 * MS, adaptive=False)
+    sparse, rt, _ = await _sample(config, 1_760_000_000 * S + 4 * MS, adaptive=True)
     # Instant power never changes, so nothing tells when it refreshes: read on every tick.
     assert _series(sparse, 0, "power_w") == _series(full, 0, "power_w")
     # The energy counter moves at each refresh: its reads are skipped as usual.

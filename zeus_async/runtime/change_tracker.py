@@ -134,6 +134,11 @@ class ChangeTracker:
                     if max(gaps) != min(gaps):
                         self.guard = max(self.guard, 2)
 
+    def missed(self) -> None:
+        """The sampler woke too late for a tick this tracker wanted: the next change cannot be
+        bracketed, through no fault of the rule (it is not counted as unbracketed)."""
+        self._last_tick = None
+
     def reset(self) -> None:
         """Forget what was learnt (ticks went unread): read every tick again."""
         self._last_tick = None

@@ -287,6 +287,8 @@ class Sampler:
                 # Late: skip to the next grid point in the future.
                 skipped = (now - deadline) // period + 1
                 stats.missed_ticks += skipped
+                for tracker in self.trackers.values():
+                    tracker.missed()
                 tick = self._next_tick(tick + skipped)
                 deadline = start + tick * period
             await sleep_until(deadline)
