@@ -10,6 +10,10 @@ split into
 * steady: the sampling interval itself (the cost that grows with run length);
 * total: startup + steady + stop.
 
+Our runtime runs twice: reading every tick, and with ``adaptive_reads=True`` (reads that can
+only repeat the last power value skipped; "changes not bracketed" counts the changes that rule
+saw late).
+
 Run: ``bench/.venv/bin/python bench/bench_sampler.py`` (see bench/README.md for the venv).
 """
 
