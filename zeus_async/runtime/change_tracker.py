@@ -95,7 +95,7 @@ class ChangeTracker:
         """Account the value read on ``tick`` (``None``: the read failed)."""
         prev_tick, prev = self._last_tick, self._last_value
         if value is None:
-            self._last_tick = None  # the next change cannot be bracketed
+            self.missed()  # the next change cannot be bracketed
             return
         self._last_tick, self._last_value = tick, value
         if prev_tick is None or value == prev:
@@ -141,7 +141,7 @@ class ChangeTracker:
 
     def reset(self) -> None:
         """Forget what was learnt (ticks went unread): read every tick again."""
-        self._last_tick = None
+        self.missed()
         self._unlock()
 
     def _unlock(self) -> None:
