@@ -377,5 +377,8 @@ def test_adaptive_reads_in_either_sampler(tmp_path: Path, sampler: str) -> None:
     energy_reads = sum(e.energy_j is not None for e in events)
     # Every 10 ms would be ~100 per second; learning, then ~2 reads per 100 ms refresh.
     assert energy_reads < 0.6 * span_s / 0.01
-    # Constant power never changes, so power is read on every tick.
-    assert sum(e.power_w is not None for e in events) > 0.8 * span_s / 0.01
+    # Constant power never changes, so its tracker never locks and power is read on every
+    # tick the sampler wakes for. (Not "on every 10 ms": a loaded CI machine wakes late and
+    # skips ticks — one run woke 110 times in 1.65 s.) Energy is read on fewer of them.
+    assert all(e.power_w is not None for e in events)
+    assert energy_reads < len(events)

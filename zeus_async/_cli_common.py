@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import signal
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, TextIO
 
 import anyio
 import anyio.abc
@@ -16,13 +18,67 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     from .bus import Subscriber
 
-__all__ = ["stop_on_signals", "until_stopped", "wait_for_publisher"]
+__all__ = ["run_command", "stop_on_signals", "until_stopped", "wait_for_publisher"]
 
 logger = logging.getLogger(__name__)
 
 
+#: Set on the first SIGINT/SIGTERM while a command runs under :func:`run_command`.
+_stop_requested: ContextVar[anyio.Event | None] = ContextVar("_stop_requested", default=None)
+
+
+async def _watch_signals(stop: anyio.Event, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+    """Set ``stop`` on the first SIGINT or SIGTERM, then give the handlers back (a second
+    Ctrl-C interrupts as usual)."""
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started()
+        async for _ in signals:
+            stop.set()
+            return
+
+
+async def run_command(
+    command: Callable[[argparse.Namespace, TextIO], Awaitable[int]],
+    args: argparse.Namespace,
+    out: TextIO,
+) -> int:
+    """Run one CLI command with SIGINT/SIGTERM caught before it starts.
+
+    A command prints its ready line (an endpoint, "Ctrl-C to stop") before it enters
+    :func:`until_stopped`; a signal sent as soon as that line is read must still end the
+    command cleanly rather than interrupt it with exit status 130.
+    """
+    stop = anyio.Event()
+    token = _stop_requested.set(stop)
+    error: BaseException | None = None
+    code = 1
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(_watch_signals, stop)
+            try:
+                code = await command(args, out)
+            except anyio.get_cancelled_exc_class():
+                raise
+            except BaseException as exc:  # re-raised as itself, not in a task group's group
+                error = exc
+            tg.cancel_scope.cancel()
+    finally:
+        _stop_requested.reset(token)
+    if error is not None:
+        raise error
+    return code
+
+
 async def stop_on_signals(scope: anyio.CancelScope) -> None:
-    """Cancel ``scope`` on the first SIGINT or SIGTERM (Ctrl-C ends a command cleanly)."""
+    """Cancel ``scope`` on the first SIGINT or SIGTERM (Ctrl-C ends a command cleanly).
+
+    Under :func:`run_command` the signal may have come already, before the body started.
+    """
+    stop = _stop_requested.get()
+    if stop is not None:
+        await stop.wait()
+        scope.cancel()
+        return
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for _ in signals:
             scope.cancel()

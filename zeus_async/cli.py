@@ -32,7 +32,7 @@ import msgspec
 
 from . import _cli_pfo, _cli_processes, _cli_store
 from ._cli_common import fmt_cell as _fmt
-from ._cli_common import until_stopped, wait_for_publisher
+from ._cli_common import run_command, until_stopped, wait_for_publisher
 from .aggregate import LiveTotals
 from .errors import ZeusAsyncError
 from .events import Event, event_to_dict, event_to_json
@@ -348,7 +348,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         parser.print_help(stream)
         return EXIT_USAGE
     try:
-        return anyio.run(commands[args.command], args, stream, backend="asyncio")
+        return anyio.run(run_command, commands[args.command], args, stream, backend="asyncio")
     except (CliError, ZeusAsyncError, OSError) as exc:
         sys.stderr.write(f"zeus-async {args.command}: {exc}\n")
         return EXIT_ERROR

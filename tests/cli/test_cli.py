@@ -165,3 +165,33 @@ def test_monitor_records_to_a_file(tmp_path: pytest.TempPathFactory) -> None:
     samples = [e for e in reader if isinstance(e, GpuSample)]
     assert len({s.gpu for s in samples}) == 4 and len(samples) > 40
     assert reader.report.clean
+
+
+def test_a_signal_before_the_body_starts_still_ends_the_command_cleanly() -> None:
+    """A command prints its ready line before it enters ``until_stopped``; a Ctrl-C sent as
+    soon as that line is read (a loaded machine: before the body's signal task ran) once
+    interrupted the command with status 130. Deterministic here: the command signals itself
+    before its body starts, in a real process."""
+    import subprocess
+    import sys
+
+    script = """
+import argparse, os, signal, sys
+import anyio
+from zeus_async._cli_common import run_command, until_stopped
+
+async def command(args, out):
+    os.kill(os.getpid(), signal.SIGINT)
+    await anyio.sleep(0.2)  # the signal is delivered here, before the body below
+    async with until_stopped():
+        await anyio.sleep(30)
+    out.write("stopped cleanly\\n")
+    return 0
+
+sys.exit(anyio.run(run_command, command, argparse.Namespace(), sys.stdout))
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=20, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "stopped cleanly\n"
