@@ -1,13 +1,18 @@
 """Window energy error with and without adaptive reads, in real time (sampler in a child process).
 
 Two simulated GPUs at constant power, ``Monitor(sampler="process")``, four 0.4 s windows per
-monitor, three monitors each way, alternating; error is against the simulator's ground truth.
+monitor, ``--runs`` monitors each way, alternating; error is against the simulator's ground
+truth. ``--load N`` keeps N busy-looping processes running meanwhile, so that the sampler is
+descheduled now and then (late wake-ups, reads that see a refresh only after skipped ticks):
+the tail of the error distribution is what this is for.
 
-Run: ``.venv/bin/python bench/bench_adaptive_accuracy.py``
+Run: ``.venv/bin/python bench/bench_adaptive_accuracy.py [--runs 3] [--load 0]``
 """
 
 from __future__ import annotations
 
+import argparse
+import multiprocessing
 import time
 
 from zeus_async import Monitor
@@ -34,18 +39,36 @@ def errors(adaptive: bool) -> list[float]:
     return out
 
 
+def _spin() -> None:
+    while True:
+        pass
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3, help="monitors each way (default 3)")
+    parser.add_argument("--load", type=int, default=0, help="busy processes meanwhile")
+    args = parser.parse_args()
+    hogs = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.load)]
+    for hog in hogs:
+        hog.start()
     runs: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(3):
-        for adaptive in (False, True):
-            runs[adaptive] += errors(adaptive)
-    print("| reads | windows x GPUs | median abs error | max abs error |")
-    print("|---|---:|---:|---:|")
+    try:
+        for _ in range(args.runs):
+            for adaptive in (False, True):
+                runs[adaptive] += errors(adaptive)
+    finally:
+        for hog in hogs:
+            hog.terminate()
+    print(f"{args.runs} run(s) each way, {args.load} busy process(es)")
+    print("| reads | windows x GPUs | median abs error | p95 abs error | max abs error |")
+    print("|---|---:|---:|---:|---:|")
     for adaptive, errs in runs.items():
         errs.sort()
         print(
             f"| {'adaptive' if adaptive else 'every tick'} | {len(errs)} "
-            f"| {errs[len(errs) // 2] * 100:.3f} % | {errs[-1] * 100:.3f} % |"
+            f"| {errs[len(errs) // 2] * 100:.3f} % | {errs[int(len(errs) * 0.95)] * 100:.3f} % "
+            f"| {errs[-1] * 100:.3f} % |"
         )
 
 

@@ -5,8 +5,10 @@ trapezoid integral) and the points where its energy counter was seen to move. En
 interval ``[t0, t1]`` then comes from the best source that covers it:
 
 * **counter** (Volta+ GPUs, RAPL): the counter is exact at its update instants. An update is
-  observed by the first sample after it, so its instant is estimated as the midpoint between
-  that sample and the previous one (error ≤ half a sample period). Each period's energy is
+  observed by the first sample after it, so its instant lies in the *bracket* between that
+  sample and the previous one; the instant is taken from a regular update grid fitted to the
+  brackets around it, each weighted by its width (a bracket widened by a late wake-up or by
+  skipped reads counts little), and kept inside its own bracket. Each period's energy is
   exact; inside a period it is distributed in proportion to time, or — when the instant-power
   readings are seen to follow :class:`SensorModel` (H100-like: the reading refreshed with the
   counter averages the head of the period) — as a head level plus at most one step to the
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import threading
 
 __all__ = ["DeviceHistory", "EnergyEstimate", "SensorModel"]
@@ -93,9 +96,11 @@ class DeviceHistory:
         self._pt: list[int] = []
         self._pw: list[float] = []
         self._pc: list[float] = []
-        # Counter points: estimated update time, counter value, and the power reported by the
-        # sample that observed the update (NaN if none).
+        # Counter points: estimated update time (the midpoint of its bracket), the bracket's
+        # start (the previous counter reading; the end is 2 * ct - cb, to 1 ns), counter value,
+        # and the power reported by the sample that observed the update (NaN if none).
         self._ct: list[int] = []
+        self._cb: list[int] = []
         self._ce: list[float] = []
         self._cp: list[float] = []
         # _refined() results by fit neighbourhood (first, own and last raw instant, and the
@@ -138,11 +143,13 @@ class DeviceHistory:
                 self.has_counter = True
                 if self.fine_counter:
                     self._ct.append(t_ns)
+                    self._cb.append(t_ns)
                     self._ce.append(counter_j)
                     self._cp.append(_NAN)
                 elif self._last_counter is not None and counter_j != self._last_counter:
                     assert self._last_counter_t is not None
                     self._ct.append((self._last_counter_t + t_ns) // 2)
+                    self._cb.append(self._last_counter_t)
                     self._ce.append(counter_j)
                     self._cp.append(power_w if power_w is not None else _NAN)
                     self.counter_updates += 1
@@ -170,7 +177,7 @@ class DeviceHistory:
                 del self._pt[:i], self._pw[:i], self._pc[:i]
             j = bisect.bisect_left(self._ct, t_ns) - 1
             if j > 0:
-                del self._ct[:j], self._ce[:j], self._cp[:j]
+                del self._ct[:j], self._cb[:j], self._ce[:j], self._cp[:j]
 
     # -- reading (any thread) -----------------------------------------------------------------
 
@@ -249,11 +256,12 @@ class DeviceHistory:
         return ce[i - 1] + self._period_partial(i, offset, t_b - t_a)
 
     def _refined(self, k: int) -> float:
-        """Update instant ``k`` from a least-squares line through its neighbours' midpoints.
+        """Update instant ``k`` from a regular grid fitted to its neighbours' brackets.
 
-        Counter updates lie on a regular grid, so fitting ``instant = a + b * period_index``
-        to up to ``_FIT_RADIUS`` updates on each side averages the half-sample-period error of
-        single midpoints away. Falls back to the midpoint with too few neighbours.
+        Counter updates lie on a regular grid, so a weighted least-squares line
+        ``instant = a + b * period_index`` through up to ``_FIT_RADIUS`` updates on each side
+        averages the half-bracket error of single midpoints away. Falls back to the midpoint
+        with too few neighbours.
         """
         ct = self._ct
         lo, hi = max(0, k - _FIT_RADIUS), min(len(ct), k + _FIT_RADIUS + 1)
@@ -267,23 +275,45 @@ class DeviceHistory:
         return value
 
     def _fit(self, k: int, lo: int, hi: int) -> float:
-        """The least-squares instant of update ``k`` from updates ``lo`` to ``hi - 1``."""
-        ct = self._ct
+        """The instant of update ``k`` on the grid fitted to updates ``lo`` to ``hi - 1``.
+
+        Each update is known to lie in its bracket ``(cb, 2 * ct - cb]``; the midpoint ``ct``
+        is off by up to half the bracket. A bracket more than twice the neighbourhood's median
+        width (a late wake-up, skipped reads) weighs ``(2 * median / width) ** 2``; the others
+        weigh 1 (a sample's stamp is only as good as the wake-up behind it, so a narrower
+        bracket is not trusted more than a typical one). Grid indices are counted from the
+        nearest bracket that is not wide: a wide one's midpoint can sit half a period from its
+        update and round to the wrong index. A wide bracket's own instant is the last grid
+        instant inside it (a bracket that spans two refreshes reached its counter value at the
+        later one).
+        """
+        ct, cb = self._ct, self._cb
         if hi - lo < 5:
             return float(ct[k])
         diffs = sorted(ct[i + 1] - ct[i] for i in range(lo, hi - 1))
         period = diffs[len(diffs) // 2]
         if period <= 0:
             return float(ct[k])
-        xs = [round((ct[i] - ct[k]) / period) for i in range(lo, hi)]
-        ys = [ct[i] - ct[k] for i in range(lo, hi)]
-        n = len(xs)
-        mx, my = sum(xs) / n, sum(ys) / n
-        sxx = sum((x - mx) ** 2 for x in xs)
+        half = [ct[i] - cb[i] for i in range(lo, hi)]
+        typical = max(sorted(half)[len(half) // 2], 1000)
+        ref = min(range(lo, hi), key=lambda i: (half[i - lo] > 2 * typical, abs(i - k)))
+        xs = [round((ct[i] - ct[ref]) / period) for i in range(lo, hi)]
+        ys = [ct[i] - ct[ref] for i in range(lo, hi)]
+        ws = [1.0 if h <= 2 * typical else (2 * typical / h) ** 2 for h in half]
+        sw = sum(ws)
+        mx = sum(w * x for w, x in zip(ws, xs, strict=True)) / sw
+        my = sum(w * y for w, y in zip(ws, ys, strict=True)) / sw
+        sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True))
         if sxx == 0:
             return float(ct[k])
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
-        return ct[k] + my - slope * mx
+        slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys, strict=True)) / sxx
+        intercept = my - slope * mx
+        if half[k - lo] > 2 * typical and slope > 0:
+            start, end = cb[k] - ct[ref], 2 * ct[k] - cb[k] - ct[ref]
+            last = intercept + slope * math.floor((end - intercept) / slope)
+            if last > start:
+                return ct[ref] + last
+        return ct[ref] + my - slope * (mx - xs[k - lo])
 
     def _period_partial(self, j: int, offset_ns: float, length_ns: float) -> float:
         """Energy of counter period ``(ct[j-1], ct[j]]`` from its start to ``offset_ns``.
