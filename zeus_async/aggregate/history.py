@@ -7,8 +7,8 @@ interval ``[t0, t1]`` then comes from the best source that covers it:
 * **counter** (Volta+ GPUs, RAPL): the counter is exact at its update instants. An update is
   observed by the first sample after it, so its instant lies in the *bracket* between that
   sample and the previous one; the instant is taken from a regular update grid fitted to the
-  brackets around it, each weighted by its width (a bracket widened by a late wake-up or by
-  skipped reads counts little), and kept inside its own bracket. Each period's energy is
+  brackets around it. A bracket widened by a late wake-up or by skipped reads counts little in
+  that fit, and its own update is put on the last grid instant inside it. Each period's energy is
   exact; inside a period it is distributed in proportion to time, or — when the instant-power
   readings are seen to follow :class:`SensorModel` (H100-like: the reading refreshed with the
   counter averages the head of the period) — as a head level plus at most one step to the
