@@ -72,17 +72,14 @@ async def run_command(
 async def stop_on_signals(scope: anyio.CancelScope) -> None:
     """Cancel ``scope`` on the first SIGINT or SIGTERM (Ctrl-C ends a command cleanly).
 
-    Under :func:`run_command` the signal may have come already, before the body started.
+    The signal is caught by :func:`run_command`, and may have come already, before the body
+    started.
     """
     stop = _stop_requested.get()
-    if stop is not None:
-        await stop.wait()
-        scope.cancel()
-        return
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
-            scope.cancel()
-            return
+    if stop is None:
+        raise RuntimeError("until_stopped() runs only inside run_command()")
+    await stop.wait()
+    scope.cancel()
 
 
 @asynccontextmanager
