@@ -86,6 +86,30 @@ def test_a_refresh_flipping_across_a_tick_locks_with_a_wider_guard() -> None:
     assert wild.period is None
 
 
+def test_a_widened_guard_narrows_again_after_refreshes_on_time() -> None:
+    tracker = ChangeTracker(lock_after=3, narrow_after=50)
+    # One early refresh (tick 64) widens the guard; the next 50 come on their expected tick.
+    read = feed(tracker, refreshes(10, 5, 1200, shift={6: -1}), 1200)
+    assert tracker.unbracketed == 1
+    assert tracker.guard == 1
+    # Guard 2 (three reads per refresh) from the stall until the 50th refresh on time (75,
+    # 85, ..., 565), then the tick before each refresh and the refresh.
+    assert [t for t in read if 480 <= t <= 580] == [
+        *(t for r in range(485, 566, 10) for t in (r - 2, r - 1, r)),
+        574,
+        575,
+    ]
+    assert read[-4:] == [1184, 1185, 1194, 1195]  # then the tick before and the refresh
+    # A refresh that keeps flipping across a tick boundary keeps the wider guard: every early
+    # change resets the count, and none goes unbracketed.
+    flipping = ChangeTracker(lock_after=3, narrow_after=5)
+    values = refreshes(10, 5, 2000, shift={n: -1 for n in range(1, 200, 4)})
+    feed(flipping, values, 2000)
+    assert (flipping.guard, flipping.unbracketed) == (2, 0)
+    with pytest.raises(ValueError):
+        ChangeTracker(narrow_after=0)
+
+
 def test_tracker_reads_every_tick_while_the_value_holds_still() -> None:
     tracker = ChangeTracker(lock_after=3)
     values = refreshes(10, 5, 100)  # refreshes up to tick 95, then nothing changes

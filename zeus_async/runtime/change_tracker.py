@@ -24,6 +24,10 @@ hidden change:**
   *learning* state);
 * no change for a whole period past the expected one (the value held still, or the source slowed
   down): back to learning;
+* a guard wider than one tick narrows by one again after ``narrow_after`` successive changes
+  that the narrower guard would also have bracketed (a one-off stall does not cost an extra read
+  per refresh for the rest of the run; a refresh that keeps flipping across a tick boundary
+  keeps the wider guard, since its early changes reset the count);
 * a refresh period shorter than ``min_period`` ticks, or gaps that differ by more than two ticks:
   nothing is ever skipped for such a field.
 """
@@ -49,6 +53,8 @@ class ChangeTracker:
         lock_after: Bracketed intervals of equal length needed before skipping starts.
         min_period: Shortest refresh period (ticks) worth skipping for.
         max_guard: Widest guard (reads before the expected refresh).
+        narrow_after: Successive changes a guard one tick narrower would also have bracketed
+            before the guard narrows.
     """
 
     __slots__ = (
@@ -59,17 +65,31 @@ class ChangeTracker:
         "_lock_after",
         "_max_guard",
         "_min_period",
+        "_narrow_after",
+        "_on_time",
         "guard",
         "period",
         "unbracketed",
     )
 
-    def __init__(self, *, lock_after: int = 3, min_period: int = 3, max_guard: int = 3) -> None:
-        if lock_after < 1 or min_period < 2 or max_guard < 1:
-            raise ValueError("lock_after >= 1, min_period >= 2 and max_guard >= 1 are required")
+    def __init__(
+        self,
+        *,
+        lock_after: int = 3,
+        min_period: int = 3,
+        max_guard: int = 3,
+        narrow_after: int = 50,
+    ) -> None:
+        if lock_after < 1 or min_period < 2 or max_guard < 1 or narrow_after < 1:
+            raise ValueError(
+                "lock_after >= 1, min_period >= 2, max_guard >= 1 and narrow_after >= 1 "
+                "are required"
+            )
         self._lock_after = lock_after
         self._min_period = min_period
         self._max_guard = max_guard
+        self._narrow_after = narrow_after
+        self._on_time = 0  # successive changes a one-tick-narrower guard would have bracketed
         self._last_tick: int | None = None
         self._last_value: object = None
         self._changes: list[int] = []  # ticks of recent bracketed changes
@@ -109,6 +129,7 @@ class ChangeTracker:
                 # guard and expect the next refresh a period from here; give up the lock once
                 # the widest guard is not enough either.
                 self.unbracketed += 1
+                self._on_time = 0
                 if self.guard < self._max_guard:
                     self.guard += 1
                     self._expect = tick + self.period
@@ -118,6 +139,8 @@ class ChangeTracker:
         changes = self._changes
         changes.append(tick)
         if self.period is not None:
+            if self.guard > 1:
+                self._count_on_time(tick)
             self._expect = tick + self.period
             del changes[: -self._lock_after - 1]
             return
@@ -134,6 +157,20 @@ class ChangeTracker:
                     if max(gaps) != min(gaps):
                         self.guard = max(self.guard, 2)
 
+    def _count_on_time(self, tick: int) -> None:
+        """Narrow the guard once enough bracketed changes came late enough for a narrower one.
+
+        With guard ``g`` the reads start at ``expect - g``; a guard of ``g - 1`` brackets a
+        change on ``tick`` if its read of ``tick - 1`` is at or after ``expect - g + 1``.
+        """
+        if tick >= self._expect - self.guard + 2:
+            self._on_time += 1
+            if self._on_time >= self._narrow_after:
+                self.guard -= 1
+                self._on_time = 0
+        else:
+            self._on_time = 0
+
     def missed(self) -> None:
         """The sampler woke too late for a tick this tracker wanted: the next change cannot be
         bracketed, through no fault of the rule (it is not counted as unbracketed)."""
@@ -146,4 +183,5 @@ class ChangeTracker:
 
     def _unlock(self) -> None:
         self.period = None
+        self._on_time = 0
         self._changes.clear()
