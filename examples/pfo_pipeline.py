@@ -56,15 +56,20 @@ SIM = SimConfig(
 
 
 def compute(gpu: int, work_s: float) -> None:
-    """Run ``work_s`` seconds of full-speed work on simulated GPU ``gpu`` at its current speed."""
+    """Run ``work_s`` seconds of full-speed work on simulated GPU ``gpu`` at its current speed.
+
+    The work advances with the time that really passes (at the speed in force when each short
+    step began), as a GPU kernel keeps running while its host thread oversleeps: a descheduled
+    host adds at most one step's lateness to the instruction, not one per step.
+    """
     node = sim_pynvml.current_node()
     assert node is not None
     remaining = work_s
     while remaining > 0:
-        step = min(remaining, 0.002)
         speed = node.gpus[gpu].throughput(node.now_ns())
-        time.sleep(step / speed)
-        remaining -= step
+        t0 = time.perf_counter()
+        time.sleep(min(remaining, 0.002) / speed)
+        remaining -= (time.perf_counter() - t0) * speed
 
 
 def main() -> None:
