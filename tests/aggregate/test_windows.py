@@ -14,7 +14,7 @@ from zeus_async.clock import FakeClock
 from zeus_async.devices.sim import SimConfig
 from zeus_async.devices.sim_config import GpuOverride
 from zeus_async.devices.sim_workload import ConstantWorkload, SquareWorkload
-from zeus_async.events import Event, Measurement, WindowClose, WindowOpen
+from zeus_async.events import Event, GpuSample, Measurement, WindowClose, WindowOpen
 from zeus_async.runtime import Runtime
 from zeus_async.testing import sim_pynvml
 
@@ -132,6 +132,53 @@ async def test_one_second_windows_within_half_a_percent() -> None:
             truth = node.truth_energy_j(gpu, r.start_ns, r.end_ns)  # type: ignore[attr-defined]
             rel.append(abs(m.gpu_energy_j[gpu] - truth) / truth)
     assert sum(rel) / len(rel) < 0.005
+
+
+async def test_the_pump_runs_only_when_there_is_something_to_do() -> None:
+    clock = FakeClock(wall_start_ns=1_760_000_000_000_000_000 + 3 * MS)
+    samples: list[int] = []
+
+    async def collect(stream: anyio.abc.ObjectReceiveStream[Event]) -> None:
+        async for e in stream:
+            if isinstance(e, GpuSample):
+                samples.append(e.t_ns)
+
+    pumps: list[int] = []
+    try:
+        async with Runtime(
+            backend="sim",
+            cpus=None,
+            sim_config=square_config(),
+            clock=clock,
+            windows=True,
+            consumers=[collect],
+        ) as rt:
+            tracker = rt.tracker
+            assert tracker is not None
+            pump = tracker.pump
+
+            def counted(*, force: bool = False) -> None:
+                pumps.append(clock.wall_ns())
+                pump(force=force)
+
+            tracker.pump = counted  # type: ignore[method-assign]
+            # Sampling every 10 ms with no window: the pump's own poll only (every 0.1 s).
+            t0 = clock.monotonic_ns()
+            await clock.sleep_until(t0 + 2000 * MS)
+            assert 15 <= len(pumps) <= 21
+            # A closed window: the pump runs on the samples that follow (the data that can
+            # complete the window), and the one that does finalizes it at once.
+            async with rt.window("w") as w:
+                await clock.sleep_until(clock.monotonic_ns() + 50 * MS)
+            assert w.result is not None
+            while not w.result.done():
+                await clock.sleep_until(clock.monotonic_ns() + 10 * MS)
+            m = w.result.wait(0)
+            assert m.t_ns in samples
+            assert m.t_ns - m.end_ns < 300 * MS
+            assert set(p for p in pumps if w.result.end_ns < p < m.t_ns) <= set(samples)
+    finally:
+        sim_pynvml.uninstall()
 
 
 def _feed_h100_like(h: DeviceHistory, power_at: Callable[[float], float], seconds: float) -> None:

@@ -9,6 +9,12 @@ at once and its energy figures resolve within ``finalize_timeout_s`` of the wind
 latest (default 0.5 s; with a 100 ms counter and 10 ms sampling, typically ~105 ms); a device that
 has not delivered by then is measured from what is there (method ``counter+extrapolated`` or
 ``integrated``). Values never change once resolved.
+
+In the runtime the tracker is a hub sink, and its pump (publishing queued edges, finalizing
+windows) runs only when there is something to do: right after a sample arrives while edges or
+closed windows wait (that sample is what can complete a window), at a closed window's deadline,
+and otherwise every ``idle_s``. An idle tracker thus costs no wake-ups of its own beyond that
+slow poll, whatever the sampling rate.
 """
 
 from __future__ import annotations
@@ -266,6 +272,8 @@ class WindowTracker:
         self._closed: list[_Closed] = []
         self._closed_lock = threading.Lock()
         self._short_warned = False
+        # Set by run_pump while it sleeps: ends the sleep (runtime thread only).
+        self._poke: Callable[[], None] | None = None
 
     # -- edges (any thread) ---------------------------------------------------------------------
 
@@ -333,6 +341,12 @@ class WindowTracker:
                 )
         elif isinstance(event, DeviceFault) and event.kind == "gpu_lost":
             self._history(event.device).mark_lost(event.t_ns)
+        else:
+            return
+        poke = self._poke
+        if poke is not None and (self._closed or self._edges):
+            self._poke = None
+            poke()
 
     def pump(self, *, force: bool = False) -> None:
         """Publish queued edge events and finalize every window whose data is complete.
@@ -475,18 +489,34 @@ class WindowTracker:
             tg.cancel_scope.cancel()
         self.pump(force=True)
 
-    async def run_pump(self, period_s: float) -> None:
-        """Finalize windows every ``period_s`` until cancelled, then finalize what is left.
+    async def run_pump(self, idle_s: float = 0.1) -> None:
+        """Pump until cancelled, then finalize what is left.
 
         Used with :meth:`add` registered as a hub sink: samples are accounted synchronously
         as they are published (no stream, no task switch per event) and this task publishes
-        edges and finished measurements.
+        edges and finished measurements. It sleeps until :meth:`add` accounts a sample while
+        edges or closed windows wait, until the earliest closed window's deadline, or for
+        ``idle_s`` (edges queued from another thread while no sample arrives), whichever
+        comes first.
         """
+        if not idle_s > 0:
+            raise ValueError(f"idle_s must be positive, got {idle_s!r}")
+        idle_ns = round(idle_s * 1e9)
         try:
             while True:
-                await self._sleep(period_s)
+                delay_ns = idle_ns
+                if self._closed:
+                    with self._closed_lock:
+                        first = min((c.deadline_ns for c in self._closed), default=None)
+                    if first is not None:
+                        delay_ns = max(0, min(delay_ns, first - self.clock.wall_ns()))
+                with anyio.CancelScope() as scope:
+                    self._poke = scope.cancel
+                    await self.clock.sleep_until(self.clock.monotonic_ns() + delay_ns)
+                self._poke = None
                 self.pump()
         finally:
+            self._poke = None
             self.pump(force=True)
 
     async def _tick(self) -> None:

@@ -414,7 +414,7 @@ class Runtime:
         assert self.tracker is not None
         try:
             with self._tracker_scope:
-                await self.tracker.run_pump(min(self.period_s, 0.01))
+                await self.tracker.run_pump()
         finally:
             self._tracker_done.set()
 
