@@ -10,9 +10,10 @@ split into
 * steady: the sampling interval itself (the cost that grows with run length);
 * total: startup + steady + stop.
 
-Our runtime runs twice: reading every tick, and with ``adaptive_reads=True`` (reads that can
-only repeat the last power value skipped; "changes not bracketed" counts the changes that rule
-saw late).
+Our runtime runs reading every tick, and with ``adaptive_reads=True`` (reads that can only
+repeat the last power value skipped; "changes not bracketed" counts the changes that rule saw
+late); the latter also with measurement windows on (``windows=True``, as ``Monitor`` runs it:
+the window tracker accounts every sample), with no window open.
 
 Run: ``bench/.venv/bin/python bench/bench_sampler.py`` (see bench/README.md for the venv).
 """
@@ -53,7 +54,7 @@ def _cpu_all_including_reaped() -> float:
 
 
 def worker(kind: str, gpus: int, period: float, duration: float, fields: str) -> dict[str, Any]:
-    adaptive = kind == "adaptive"
+    adaptive = kind in ("adaptive", "adaptive-windows")
     extra: dict[str, Any] = {}
     if kind == "floor":
         # The least any 100 Hz sampler can pay: the same NVML calls from a bare loop, nothing
@@ -120,7 +121,12 @@ def worker(kind: str, gpus: int, period: float, duration: float, fields: str) ->
         field_map = {"power_w": None} if fields == "power" else dict.fromkeys(GPU_FIELDS)
         c0, w0 = _cpu_all_including_reaped(), time.perf_counter()
         rt = EmbeddedRuntime(
-            backend="nvml", cpus=None, period_s=period, fields=field_map, adaptive_reads=adaptive
+            backend="nvml",
+            cpus=None,
+            period_s=period,
+            fields=field_map,
+            adaptive_reads=adaptive,
+            windows=kind == "adaptive-windows",
         )
         rt.start()
         assert rt.runtime is not None
@@ -181,7 +187,9 @@ def run_worker(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--worker", choices=("zeus", "ours", "adaptive", "floor"))
+    parser.add_argument(
+        "--worker", choices=("zeus", "ours", "adaptive", "adaptive-windows", "floor")
+    )
     parser.add_argument("--gpus", type=int, default=4)
     parser.add_argument("--period", type=float, default=0.01)
     parser.add_argument("--duration", type=float, default=10.0)
@@ -200,6 +208,9 @@ def main() -> None:
         rows.append(run_worker(py, "zeus", 4, 0.01, args.duration, "power", args.latency))
         rows.append(run_worker(py, "ours", 4, 0.01, args.duration, "power", args.latency))
         rows.append(run_worker(py, "adaptive", 4, 0.01, args.duration, "power", args.latency))
+        rows.append(
+            run_worker(py, "adaptive-windows", 4, 0.01, args.duration, "power", args.latency)
+        )
         rows.append(run_worker(py, "floor", 4, 0.01, args.duration, "power", args.latency))
     rows.append(run_worker(py, "ours", 8, 0.01, args.duration, "all", args.latency))
     rows.append(run_worker(py, "adaptive", 8, 0.01, args.duration, "all", args.latency))
@@ -215,6 +226,7 @@ def main() -> None:
 
     z, o, o8 = mean("zeus", 4, "power"), mean("ours", 4, "power"), mean("ours", 8, "all")
     a, a8 = mean("adaptive", 4, "power"), mean("adaptive", 8, "all")
+    aw = mean("adaptive-windows", 4, "power")
     fl = mean("floor", 4, "power")
     print(
         f"\nSampler CPU cost, {args.duration:g} s at 100 Hz, simulated NVML call "
@@ -229,17 +241,22 @@ def main() -> None:
         ("Zeus 0.16 PowerMonitor (keeps changed values only)", z),
         ("zeus_async Runtime, every tick", o),
         ("zeus_async Runtime, adaptive reads", a),
+        ("zeus_async Runtime, adaptive reads, windows on", aw),
         ("floor: bare thread loop, same NVML calls, no output", fl),
         ("zeus_async Runtime, every tick", o8),
         ("zeus_async Runtime, adaptive reads", a8),
     ):
-        unbracketed = str(r["unbracketed"]) if r["kind"] == "adaptive" else ""
+        unbracketed = str(r["unbracketed"]) if r["kind"].startswith("adaptive") else ""
         print(
             f"| {name} | {r['gpus']} x {r['fields']} | {r['samples']:.0f} "
             f"| {r['startup_cpu_s']:.3f} | {r['steady_cpu_s']:.3f} | {r['total_cpu_s']:.3f} "
             f"| {unbracketed} |"
         )
-    for label, r in (("every tick", o), ("adaptive reads", a)):
+    for label, r in (
+        ("every tick", o),
+        ("adaptive reads", a),
+        ("adaptive reads, windows on", aw),
+    ):
         print(
             f"\nratio ours ({label})/Zeus, 4 GPUs x power: "
             f"steady {r['steady_cpu_s'] / z['steady_cpu_s']:.3f}x, "

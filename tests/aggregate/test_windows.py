@@ -8,13 +8,20 @@ from collections.abc import Callable
 import anyio
 import pytest
 
-from zeus_async.aggregate import DeviceHistory, WindowResult
+from zeus_async.aggregate import DeviceHistory, WindowResult, WindowTracker
 from zeus_async.aggregate.history import SensorModel
 from zeus_async.clock import FakeClock
 from zeus_async.devices.sim import SimConfig
 from zeus_async.devices.sim_config import GpuOverride
 from zeus_async.devices.sim_workload import ConstantWorkload, SquareWorkload
-from zeus_async.events import Event, GpuSample, Measurement, WindowClose, WindowOpen
+from zeus_async.events import (
+    DeviceInfo,
+    Event,
+    GpuSample,
+    Measurement,
+    WindowClose,
+    WindowOpen,
+)
 from zeus_async.runtime import Runtime
 from zeus_async.testing import sim_pynvml
 
@@ -179,6 +186,28 @@ async def test_the_pump_runs_only_when_there_is_something_to_do() -> None:
             assert set(p for p in pumps if w.result.end_ns < p < m.t_ns) <= set(samples)
     finally:
         sim_pynvml.uninstall()
+
+
+def test_histories_are_trimmed_while_no_window_closes() -> None:
+    clock = FakeClock(wall_start_ns=1_760_000_000_000_000_000)
+    tracker = WindowTracker(
+        clock, "h", [DeviceInfo("gpu:0", "sim", has_energy_counter=True)], history_s=30.0
+    )
+    for i in range(4_500):  # 45 s of 10 ms samples, the counter moving every 100 ms
+        clock.set_ns(i * 10 * MS)
+        tracker.add(GpuSample("h", clock.wall_ns(), 0, power_w=300.0, energy_j=30.0 * (i // 10)))
+        if i % 10 == 0:
+            tracker.pump()
+    history = tracker.histories["gpu:0"]
+    oldest = history._pt[0] - clock.wall_ns()
+    # 30 s kept, trimmed at least every second (one point before the cut is kept).
+    assert -32_000 * MS <= oldest <= -30_000 * MS
+    assert len(history._pt) <= 3_200
+    # An open window keeps its data however old.
+    tracker.open("long", t_ns=clock.wall_ns() - 31_000 * MS)
+    clock.set_ns(clock.monotonic_ns() + 2_000 * MS)
+    tracker.pump()
+    assert history._pt[0] - clock.wall_ns() == oldest - 2_000 * MS
 
 
 def _feed_h100_like(h: DeviceHistory, power_at: Callable[[float], float], seconds: float) -> None:

@@ -59,6 +59,9 @@ _window_ids = itertools.count(1)
 #: early edge, and neighbours for refining the update instants (~0.3 s at 100 ms per update).
 _PRIMING_UPDATES = 3
 
+#: Longest interval between two trims of the histories (ns of the tracker's clock).
+_TRIM_EVERY_NS = 1_000_000_000
+
 
 def next_window_id() -> int:
     """A process-unique window id."""
@@ -272,6 +275,7 @@ class WindowTracker:
         self._closed: list[_Closed] = []
         self._closed_lock = threading.Lock()
         self._short_warned = False
+        self._trimmed_ns = clock.wall_ns()
         # Set by run_pump while it sleeps: ends the sleep (runtime thread only).
         self._poke: Callable[[], None] | None = None
 
@@ -358,18 +362,23 @@ class WindowTracker:
             edge = self._edges.popleft()
             if publish is not None:
                 publish(edge)
-        if not self._closed:
-            return
         now = self.clock.wall_ns()
-        with self._closed_lock:
-            ready = [
-                c for c in self._closed if force or now >= c.deadline_ns or self._complete(c.result)
-            ]
-            if ready:
-                self._closed = [c for c in self._closed if c not in ready]
-        for item in ready:
-            self._finish(item)
-        if ready:
+        ready: list[_Closed] = []
+        if self._closed:
+            with self._closed_lock:
+                ready = [
+                    c
+                    for c in self._closed
+                    if force or now >= c.deadline_ns or self._complete(c.result)
+                ]
+                if ready:
+                    self._closed = [c for c in self._closed if c not in ready]
+            for item in ready:
+                self._finish(item)
+        # Trim after each finished window, and at least every second: with no window closing,
+        # the histories would otherwise grow for as long as the runtime runs.
+        if ready or now - self._trimmed_ns >= _TRIM_EVERY_NS:
+            self._trimmed_ns = now
             self._trim(now)
 
     def _finish(self, item: _Closed) -> Measurement:
