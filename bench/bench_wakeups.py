@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import os
 import resource
@@ -95,7 +96,7 @@ def wakeups(n: int) -> list[tuple[str, float]]:
         ("asyncio call_at callback", _per_wake(lambda k: asyncio.run(_callbacks(k)), n)),
     ]
     try:
-        import uvloop
+        uvloop = importlib.import_module("uvloop")  # optional, untyped where missing
     except ImportError:
         pass
     else:
