@@ -9,7 +9,15 @@ taken apart:
   asyncio ``call_at`` callback, and by a uvloop task if uvloop is installed;
 * the same asyncio wake-up with 4 and 8 tasks due at once (one task per device);
 * one ``nvmlDeviceGetFieldValues`` call on the simulator beneath ``pynvml`` (10 µs of burnt
-  "driver" time by default), warm (back to back) and cold (one per 50 ms wake-up, four GPUs).
+  "driver" time by default), warm (back to back) and cold (one per 50 ms wake-up, four GPUs);
+* whole read schedules of 4 simulated GPUs, nothing done with the values, CPU per second:
+  Zeus's (a ``time.sleep`` loop reading every GPU every 10 ms) against the bracketing schedule
+  of adaptive reads (each refresh read on the tick before it and the tick it shows, i.e. 2 of
+  every 10 ticks; the simulator refreshes all GPUs at the same instants, the case most
+  favourable to us) made by a bare loop, by one asyncio task per GPU (the runtime's design,
+  with none of its work), and by one asyncio task for all GPUs; and, for scale, one read per
+  refresh with no bracket. These are the least a sampler of each kind can cost, so their ratio
+  to Zeus's bounds what ours can reach.
 
 Run: ``bench/.venv/bin/python bench/bench_wakeups.py`` (see bench/README.md for the venv).
 """
@@ -104,7 +112,7 @@ def wakeups(n: int) -> list[tuple[str, float]]:
     return rows
 
 
-def reads_worker(n: int) -> dict[str, float]:
+def reads_worker(n: int, n_s: float) -> dict[str, float]:
     """Runs with the simulator installed as ``pynvml`` (see :func:`main`)."""
     import pynvml
 
@@ -126,18 +134,76 @@ def reads_worker(n: int) -> dict[str, float]:
         for h in handles:
             pynvml.nvmlDeviceGetFieldValues(h, field)
     cold_wake = (_cpu() - c) / wakes * 1e6
-    return {"warm_read_us": warm, "wake_with_4_cold_reads_us": cold_wake}
+    return {
+        "warm_read_us": warm,
+        "wake_with_4_cold_reads_us": cold_wake,
+        **schedules(handles, field, n_s),
+    }
+
+
+#: Ticks of every 10 (100 ms refresh at 10 ms) that the bracketing schedule reads, and the
+#: one a schedule reading once per refresh (no bracket) reads.
+_BRACKET = (0, 9)
+_ONCE = (0,)
+
+
+def schedules(handles: list[Any], field: Any, seconds: float) -> dict[str, float]:
+    """CPU ms per second of whole read schedules (see the module docstring)."""
+    import pynvml
+
+    read = pynvml.nvmlDeviceGetFieldValues
+    ticks = round(seconds / PERIOD_S)
+
+    def thread_loop(bracket: bool) -> None:
+        start = time.monotonic()
+        for k in range(1, ticks + 1):
+            if bracket and k % 10 not in _BRACKET:
+                continue
+            delay = start + k * PERIOD_S - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            for h in handles:
+                read(h, field)
+
+    async def tasks(per_gpu: bool, read_ticks: tuple[int, ...] = _BRACKET) -> None:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        async def one(group: list[Any]) -> None:
+            for k in range(1, ticks + 1):
+                if k % 10 not in read_ticks:
+                    continue
+                await asyncio.sleep(max(0.0, start + k * PERIOD_S - loop.time()))
+                for h in group:
+                    read(h, field)
+
+        groups = [[h] for h in handles] if per_gpu else [handles]
+        await asyncio.gather(*(one(g) for g in groups))
+
+    def per_second(fn: Callable[[], None]) -> float:
+        c = _cpu()
+        fn()
+        return (_cpu() - c) / seconds * 1e3
+
+    return {
+        "zeus_like_ms_s": per_second(lambda: thread_loop(False)),
+        "bracket_thread_ms_s": per_second(lambda: thread_loop(True)),
+        "bracket_tasks_per_gpu_ms_s": per_second(lambda: asyncio.run(tasks(True))),
+        "bracket_one_task_ms_s": per_second(lambda: asyncio.run(tasks(False))),
+        "once_tasks_per_gpu_ms_s": per_second(lambda: asyncio.run(tasks(True, _ONCE))),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--wakes", type=int, default=400, help="wake-ups per measurement")
     parser.add_argument("--reads", type=int, default=20_000, help="warm reads")
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of each schedule")
     parser.add_argument("--latency", type=float, default=10e-6, help="simulated NVML call cost")
     parser.add_argument("--reads-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.reads_worker:
-        print(json.dumps(reads_worker(args.reads)))
+        print(json.dumps(reads_worker(args.reads, args.seconds)))
         return
 
     from zeus_async.devices.sim import SimConfig
@@ -153,7 +219,15 @@ def main() -> None:
         workload=RandomWorkload(seg_min_s=0.05, seg_max_s=0.5),
     )
     out = subprocess.run(
-        [sys.executable, __file__, "--reads-worker", "--reads", str(args.reads)],
+        [
+            sys.executable,
+            __file__,
+            "--reads-worker",
+            "--reads",
+            str(args.reads),
+            "--seconds",
+            str(args.seconds),
+        ],
         env={**os.environ, **shim_env(config)},
         capture_output=True,
         text=True,
@@ -171,6 +245,18 @@ def main() -> None:
         "| one 50 ms wake-up of a time.sleep loop reading 4 GPUs | "
         f"{reads['wake_with_4_cold_reads_us']:.0f} |"
     )
+    zeus = reads["zeus_like_ms_s"]
+    print(f"\nRead schedules, 4 simulated GPUs, {args.seconds:g} s each\n")
+    print("| schedule | wake-ups/s | reads/s | CPU ms/s | vs Zeus's |\n|---|---:|---:|---:|---:|")
+    for key, name, wakes, reads_s in (
+        ("zeus_like_ms_s", "Zeus's: time.sleep loop, every GPU every tick", 100, 400),
+        ("bracket_thread_ms_s", "bracketing, time.sleep loop", 20, 80),
+        ("bracket_tasks_per_gpu_ms_s", "bracketing, asyncio task per GPU", 20, 80),
+        ("bracket_one_task_ms_s", "bracketing, one asyncio task for all GPUs", 20, 80),
+        ("once_tasks_per_gpu_ms_s", "once per refresh (no bracket), asyncio task per GPU", 10, 40),
+    ):
+        ms = reads[key]
+        print(f"| {name} | {wakes} | {reads_s} | {ms:.2f} | {ms / zeus:.2f}x |")
 
 
 if __name__ == "__main__":
