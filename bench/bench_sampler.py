@@ -15,6 +15,9 @@ repeat the last power value skipped; "changes not bracketed" counts the changes 
 late); the latter also with measurement windows on (``windows=True``, as ``Monitor`` runs it:
 the window tracker accounts every sample), with no window open.
 
+``--real`` runs the same rows on real GPUs (``--gpus`` of them) through the installed
+``pynvml`` instead of the simulator.
+
 Run: ``bench/.venv/bin/python bench/bench_sampler.py`` (see bench/README.md for the venv).
 """
 
@@ -122,6 +125,7 @@ def worker(kind: str, gpus: int, period: float, duration: float, fields: str) ->
         c0, w0 = _cpu_all_including_reaped(), time.perf_counter()
         rt = EmbeddedRuntime(
             backend="nvml",
+            gpus=list(range(gpus)),
             cpus=None,
             period_s=period,
             fields=field_map,
@@ -161,8 +165,25 @@ def worker(kind: str, gpus: int, period: float, duration: float, fields: str) ->
 
 
 def run_worker(
-    python: str, kind: str, gpus: int, period: float, duration: float, fields: str, latency: float
+    python: str,
+    kind: str,
+    gpus: int,
+    period: float,
+    duration: float,
+    fields: str,
+    latency: float,
+    real: bool = False,
 ) -> dict[str, Any]:
+    cmd = [python, __file__, "--worker", kind, "--gpus", str(gpus), "--period", str(period)]
+    cmd += ["--duration", str(duration), "--fields", fields]
+    env = dict(os.environ) if real else {**os.environ, **_sim_env(gpus, latency)}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"{kind} worker failed:\n{out.stderr[-4000:]}")
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _sim_env(gpus: int, latency: float) -> dict[str, str]:
     from zeus_async.devices.sim import SimConfig
     from zeus_async.devices.sim_workload import RandomWorkload
     from zeus_async.testing.sim_pynvml import shim_env
@@ -176,13 +197,7 @@ def run_worker(
         power_noise_w=3.0,
         workload=RandomWorkload(seg_min_s=0.05, seg_max_s=0.5),
     )
-    env = {**os.environ, **shim_env(config)}
-    cmd = [python, __file__, "--worker", kind, "--gpus", str(gpus), "--period", str(period)]
-    cmd += ["--duration", str(duration), "--fields", fields]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise SystemExit(f"{kind} worker failed:\n{out.stderr[-4000:]}")
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    return shim_env(config)
 
 
 def main() -> None:
@@ -197,23 +212,30 @@ def main() -> None:
     parser.add_argument("--latency", type=float, default=10e-6, help="simulated NVML call cost")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--real",
+        action="store_true",
+        help="the real GPUs through the installed pynvml, not the simulator (--gpus: how many)",
+    )
     args = parser.parse_args()
     if args.worker:
         res = worker(args.worker, args.gpus, args.period, args.duration, args.fields)
         print(json.dumps(res))
         return
     py = sys.executable
+    # The simulator: 4 GPUs x power against Zeus, 8 GPUs x all fields for our cost alone. Real
+    # GPUs: as many as there are (--gpus), both ways.
+    small, big = (args.gpus, args.gpus) if args.real else (4, 8)
     rows: list[dict[str, Any]] = []
+
+    def row(kind: str, gpus: int, fields: str) -> dict[str, Any]:
+        return run_worker(py, kind, gpus, 0.01, args.duration, fields, args.latency, args.real)
+
     for _ in range(args.repeat):
-        rows.append(run_worker(py, "zeus", 4, 0.01, args.duration, "power", args.latency))
-        rows.append(run_worker(py, "ours", 4, 0.01, args.duration, "power", args.latency))
-        rows.append(run_worker(py, "adaptive", 4, 0.01, args.duration, "power", args.latency))
-        rows.append(
-            run_worker(py, "adaptive-windows", 4, 0.01, args.duration, "power", args.latency)
-        )
-        rows.append(run_worker(py, "floor", 4, 0.01, args.duration, "power", args.latency))
-    rows.append(run_worker(py, "ours", 8, 0.01, args.duration, "all", args.latency))
-    rows.append(run_worker(py, "adaptive", 8, 0.01, args.duration, "all", args.latency))
+        for kind in ("zeus", "ours", "adaptive", "adaptive-windows", "floor"):
+            rows.append(row(kind, small, "power"))
+    rows.append(row("ours", big, "all"))
+    rows.append(row("adaptive", big, "all"))
 
     def mean(kind: str, gpus: int, fields: str) -> dict[str, Any]:
         cand = [r for r in rows if (r["kind"], r["gpus"], r["fields"]) == (kind, gpus, fields)]
@@ -224,14 +246,13 @@ def main() -> None:
         out["unbracketed"] = sum(r.get("unbracketed", 0) for r in cand)
         return out
 
-    z, o, o8 = mean("zeus", 4, "power"), mean("ours", 4, "power"), mean("ours", 8, "all")
-    a, a8 = mean("adaptive", 4, "power"), mean("adaptive", 8, "all")
-    aw = mean("adaptive-windows", 4, "power")
-    fl = mean("floor", 4, "power")
-    print(
-        f"\nSampler CPU cost, {args.duration:g} s at 100 Hz, simulated NVML call "
-        f"{args.latency * 1e6:g} us (mean of {args.repeat})\n"
-    )
+    z, o = mean("zeus", small, "power"), mean("ours", small, "power")
+    o8 = mean("ours", big, "all")
+    a, a8 = mean("adaptive", small, "power"), mean("adaptive", big, "all")
+    aw = mean("adaptive-windows", small, "power")
+    fl = mean("floor", small, "power")
+    source = "real GPUs" if args.real else f"simulated NVML call {args.latency * 1e6:g} us"
+    print(f"\nSampler CPU cost, {args.duration:g} s at 100 Hz, {source} (mean of {args.repeat})\n")
     print(
         "| sampler | GPUs x fields | values kept | startup CPU s | steady CPU s | total CPU s "
         "| changes not bracketed |"
@@ -258,14 +279,14 @@ def main() -> None:
         ("adaptive reads, windows on", aw),
     ):
         print(
-            f"\nratio ours ({label})/Zeus, 4 GPUs x power: "
+            f"\nratio ours ({label})/Zeus, {small} GPUs x power: "
             f"steady {r['steady_cpu_s'] / z['steady_cpu_s']:.3f}x, "
             f"total {r['total_cpu_s'] / z['total_cpu_s']:.3f}x (target <= 0.25x)"
         )
     print(
         f"floor/Zeus steady {fl['steady_cpu_s'] / z['steady_cpu_s']:.3f}x; missed ticks: "
-        f"{o['missed_ticks']}, {a['missed_ticks']} (4 GPUs), {o8['missed_ticks']}, "
-        f"{a8['missed_ticks']} (8 GPUs)"
+        f"{o['missed_ticks']}, {a['missed_ticks']} ({small} GPUs), {o8['missed_ticks']}, "
+        f"{a8['missed_ticks']} ({big} GPUs x all)"
     )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
