@@ -12,11 +12,13 @@ import logging
 import sys
 from collections import Counter
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, TextIO
 
 import anyio
 
 from ._cli_common import until_stopped, wait_for_publisher
+from .errors import ConfigError
 from .events import Event, event_kind
 
 __all__ = ["COMMANDS", "add_parsers"]
@@ -241,6 +243,10 @@ async def _record(args: argparse.Namespace, out: TextIO) -> int:
 
     topics = args.topic or [""]
     count = 0
+    folder = Path(args.output).absolute().parent
+    if not folder.is_dir():
+        # Said now, not after waiting for a publisher and its first events.
+        raise ConfigError(f"cannot write {args.output}: no directory {folder}")
     async with Subscriber(args.endpoints, topics=topics) as sub:
         await wait_for_publisher(sub, args.endpoints, args.wait)
         infos = list(sub.ready_streams.values())

@@ -34,7 +34,7 @@ from . import _cli_pfo, _cli_processes, _cli_store
 from ._cli_common import fmt_cell as _fmt
 from ._cli_common import run_command, until_stopped, wait_for_publisher
 from .aggregate import LiveTotals
-from .errors import ZeusAsyncError
+from .errors import ZeusAsyncError, sole_exception
 from .events import Event, event_to_dict, event_to_json
 
 logger = logging.getLogger(__name__)
@@ -349,15 +349,16 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return EXIT_USAGE
     try:
         return anyio.run(run_command, commands[args.command], args, stream, backend="asyncio")
-    except (CliError, ZeusAsyncError, OSError) as exc:
-        sys.stderr.write(f"zeus-async {args.command}: {exc}\n")
-        return EXIT_ERROR
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:  # zmq errors and the like: one line, no traceback
+    except Exception as caught:  # one line, no traceback (a task group's group of one unwrapped)
+        exc = sole_exception(caught)
+        if isinstance(exc, (CliError, ZeusAsyncError, OSError)):
+            sys.stderr.write(f"zeus-async {args.command}: {exc}\n")
+            return EXIT_ERROR
         if os.environ.get("ZEUS_ASYNC_DEBUG"):
             raise
-        name = type(exc).__name__
+        name = type(exc).__name__  # zmq errors and the like
         sys.stderr.write(f"zeus-async {args.command}: {name}: {exc}\n")
         return EXIT_ERROR
 

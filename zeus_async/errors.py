@@ -8,6 +8,13 @@ device, ask for privileges).
 
 from __future__ import annotations
 
+import sys
+
+if sys.version_info >= (3, 11):
+    from builtins import BaseExceptionGroup as _ExceptionGroup
+else:  # pragma: no cover - anyio installs the backport on 3.10
+    from exceptiongroup import BaseExceptionGroup as _ExceptionGroup  # type: ignore[import-not-found,unused-ignore]
+
 __all__ = [
     "CodecError",
     "ConfigError",
@@ -20,6 +27,7 @@ __all__ = [
     "SchemaVersionError",
     "TransientDeviceError",
     "ZeusAsyncError",
+    "sole_exception",
 ]
 
 
@@ -90,3 +98,14 @@ class TransientDeviceError(DeviceError):
     """An error worth retrying (timeout, busy driver, unknown error)."""
 
     kind = "transient"
+
+
+def sole_exception(exc: BaseException) -> BaseException:
+    """The one error inside exception groups of a single member (nested or not), else ``exc``.
+
+    A task group reports a failed start as a group of one; a caller of ``async with
+    Runtime(...)`` or of the CLI should see the :class:`ConfigError` itself.
+    """
+    while isinstance(exc, _ExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc

@@ -64,6 +64,27 @@ def test_bad_arguments_give_one_clear_line(args: list[str], message: str) -> Non
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["monitor", "--backend", "sim", "--publish", "bogus"], "transport://address"),
+        (["monitor", "--backend", "sim", "--publish", "tcp://127.0.0.1"], "without a port"),
+        (["proxy", "--in", "tcp://127.0.0.1:1", "--out", "bogus"], "transport://address"),
+        (["record", "tcp://127.0.0.1:1", "-o", "/nonexistent/dir/x.zarc"], "no directory"),
+    ],
+)
+def test_bad_endpoints_and_paths_are_one_line(args: list[str], message: str) -> None:
+    # These failed inside a task group once, and printed "ExceptionGroup: unhandled errors in a
+    # TaskGroup" instead of the reason; the bad output folder of `record` was reported only
+    # after waiting 10 s for a publisher.
+    proc = run_cli(*args, "--duration", "1") if args[0] == "monitor" else run_cli(*args)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"zeus-async {args[0]}:"), proc.stderr
+    assert message in lines[0]
+    assert "ExceptionGroup" not in proc.stderr and "publisher answered" not in proc.stderr
+
+
 def test_monitor_nvml_without_driver_is_one_line() -> None:
     proc = run_cli("monitor", "--backend", "nvml", "--duration", "0.5")
     assert proc.returncode == 1

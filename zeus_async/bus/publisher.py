@@ -57,7 +57,7 @@ from anyio.abc import TaskStatus
 from ..clock import Clock, RealClock
 from ..errors import CodecError, ConfigError
 from ..events import Event, GpuSample, Heartbeat, StreamInfo, event_topic
-from ._endpoints import check_bind_endpoint, default_endpoint
+from ._endpoints import check_bind_endpoint, default_endpoint, is_local_endpoint
 from ._sockets import last_endpoint, poll_in, socket_fd
 from .codec import FLAG_FINAL, FrameEncoder, parse_stream_id
 from .curve import CurveServerKeys, apply_server_keys, start_authenticator
@@ -167,6 +167,7 @@ class Publisher:
         if linger_s < 0:
             raise ConfigError("linger_s must be >= 0")
         self._endpoint = endpoint if endpoint is not None else default_endpoint()
+        is_local_endpoint(self._endpoint)  # a malformed endpoint fails here, not in run()
         self._host = host
         self._clock: Clock = clock if clock is not None else RealClock()
         sid = parse_stream_id(stream_id) if stream_id is not None else None

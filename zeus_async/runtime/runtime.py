@@ -34,7 +34,7 @@ from ..clock import Clock, RealClock
 from ..devices import OpenedDevices, open_devices
 from ..devices.base import Device, GpuControl, GpuProcessReader
 from ..devices.processes import ProcessSource
-from ..errors import ConfigError
+from ..errors import ConfigError, sole_exception
 from ..events import ClockChange, Event, PowerLimitChange, StreamInfo
 from .hub import EventBatches, Hub
 from .processes import EnergyMeter, ProcessSampler, ProcessTracking
@@ -255,9 +255,15 @@ class Runtime:
                 # Ready for windows once every energy counter has moved a few times (~0.3 s): a
                 # window opened right away then has exact anchors before it.
                 await self.tracker.wait_primed(max(self._finalize_timeout_s, 1.0))
-        except BaseException:
+        except BaseException as exc:
             self._sampler_scope.cancel()
-            await stack.__aexit__(*sys.exc_info())
+            try:
+                await stack.__aexit__(type(exc), exc, exc.__traceback__)
+            except BaseException as closing:
+                # The task group reports a failed start (a bad endpoint, a device that would
+                # not open) as a group holding that same error: raise the error itself.
+                if sole_exception(closing) is not exc:
+                    raise
             raise
         return self
 
