@@ -223,6 +223,43 @@ async def test_recorder_explicit_flush_and_default_header(tmp_path: Path) -> Non
 
 
 @pytest.mark.anyio
+async def test_recorder_finishes_when_threads_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Exit hooks close a monitor left open; from Python 3.12 on, the interpreter refuses new
+    threads by then. The recording's last frames, fsync and close must still happen (they ran
+    through worker threads, and the end of the recording was lost on 3.12)."""
+    import asyncio
+
+    def refused(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    path = tmp_path / "r.zarc"
+    rec = Recorder(path, header=HEADER, flush_events=4, flush_interval_s=3600)
+    send, receive = anyio.create_memory_object_stream[Event](100)
+    events = one_of_each()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(rec.run, receive)
+        async with send:
+            for e in events[:4]:  # one frame, written while threads still start
+                await send.send(e)
+            while rec.frames_written < 1:
+                await anyio.sleep(0.01)
+            monkeypatch.setattr(anyio.to_thread, "run_sync", refused)
+            try:  # under asyncio, aiofiles hands its calls to the loop's executor
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # trio
+                pass
+            else:
+                monkeypatch.setattr(loop, "run_in_executor", refused)
+            for e in events[4:]:
+                await send.send(e)
+    reader = RecordingReader(path)
+    assert list(reader) == events
+    assert reader.report.clean
+
+
+@pytest.mark.anyio
 async def test_recorder_flushes_on_interval(tmp_path: Path) -> None:
     clock = FakeClock(autojump=False)
     path = tmp_path / "r.zarc"

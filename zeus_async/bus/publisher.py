@@ -54,6 +54,7 @@ import msgspec
 import zmq
 from anyio.abc import TaskStatus
 
+from .._threads import run_sync
 from ..clock import Clock, RealClock
 from ..errors import CodecError, ConfigError
 from ..events import Event, GpuSample, Heartbeat, StreamInfo, event_topic
@@ -424,7 +425,7 @@ class Publisher:
                 auth.stop()
             if own_context:
                 with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(ctx.term)
+                    await run_sync(ctx.term)  # on this thread at interpreter exit
 
     async def _serve(self, sock: zmq.Socket[Any]) -> None:
         fd = socket_fd(sock)

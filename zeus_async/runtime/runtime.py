@@ -29,6 +29,7 @@ from typing import Any
 import anyio
 from anyio.abc import ObjectReceiveStream, TaskGroup, TaskStatus
 
+from .._threads import run_sync
 from ..aggregate.windows import WindowResult, WindowTracker
 from ..clock import Clock, RealClock
 from ..devices import OpenedDevices, open_devices
@@ -449,8 +450,8 @@ class Runtime:
     async def _set_one_limit(
         self, control: GpuControl, watts: float, source: str
     ) -> PowerLimitChange:
-        previous = await anyio.to_thread.run_sync(control.get_power_limit_w)
-        await anyio.to_thread.run_sync(control.set_power_limit_w, watts)
+        previous = await run_sync(control.get_power_limit_w)
+        await run_sync(control.set_power_limit_w, watts)
         change = PowerLimitChange(
             host=self.host,
             t_ns=self.clock.wall_ns(),
@@ -483,9 +484,9 @@ class Runtime:
         async with self._control_lock:
             for control in controls:
                 if hz is None:
-                    await anyio.to_thread.run_sync(control.reset_sm_clocks)
+                    await run_sync(control.reset_sm_clocks)
                 else:
-                    await anyio.to_thread.run_sync(control.lock_sm_clocks_hz, hz, hz)
+                    await run_sync(control.lock_sm_clocks_hz, hz, hz)
                 change = ClockChange(
                     host=self.host,
                     t_ns=self.clock.wall_ns(),

@@ -27,6 +27,7 @@ import msgspec
 from anyio.abc import ObjectReceiveStream
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from .._threads import run_sync, threads_refused
 from ..clock import Clock, RealClock
 from ..errors import ConfigError
 from ..events import Event, EventEncoder
@@ -58,42 +59,41 @@ class _Sink(Protocol):
     async def aclose(self) -> None: ...
 
 
-class _AiofilesSink:
-    """A file written through aiofiles (asyncio)."""
+class _FileSink:
+    """A file written through worker threads: aiofiles under asyncio, :func:`anyio.open_file`
+    under trio (where aiofiles cannot run). Once the interpreter refuses new threads (exit hooks,
+    Python 3.12+), each operation runs on the calling thread instead, so nothing is lost.
 
-    def __init__(self, f: Any) -> None:
+    Args:
+        f: The asynchronous file.
+        raw: The binary file underneath it.
+        close: Name of ``f``'s closing coroutine (``close`` for aiofiles, ``aclose`` for anyio).
+    """
+
+    def __init__(self, f: Any, raw: Any, close: str) -> None:
         self._f = f
+        self._raw = raw
+        self._close = close
+
+    async def _do(self, name: str, raw_name: str, *args: Any) -> None:
+        try:
+            await getattr(self._f, name)(*args)
+        except RuntimeError as exc:
+            if not threads_refused(exc):
+                raise
+            getattr(self._raw, raw_name)(*args)
 
     async def write(self, data: bytes) -> None:
-        await self._f.write(data)
+        await self._do("write", "write", data)
 
     async def flush(self) -> None:
-        await self._f.flush()
+        await self._do("flush", "flush")
 
     async def fsync(self) -> None:
-        await anyio.to_thread.run_sync(os.fsync, self._f.fileno())
+        await run_sync(os.fsync, self._raw.fileno())
 
     async def aclose(self) -> None:
-        await self._f.close()
-
-
-class _AnyioSink:
-    """A file written through :func:`anyio.open_file` (trio, where aiofiles cannot run)."""
-
-    def __init__(self, f: anyio.AsyncFile[bytes]) -> None:
-        self._f = f
-
-    async def write(self, data: bytes) -> None:
-        await self._f.write(data)
-
-    async def flush(self) -> None:
-        await self._f.flush()
-
-    async def fsync(self) -> None:
-        await anyio.to_thread.run_sync(os.fsync, self._f.wrapped.fileno())
-
-    async def aclose(self) -> None:
-        await self._f.aclose()
+        await self._do(self._close, "close")
 
 
 def _under_asyncio() -> bool:
@@ -106,8 +106,10 @@ def _under_asyncio() -> bool:
 
 async def _open_sink(path: Path) -> _Sink:
     if _under_asyncio():
-        return _AiofilesSink(await aiofiles.open(path, "wb"))
-    return _AnyioSink(await anyio.open_file(path, "wb"))
+        f: Any = await aiofiles.open(path, "wb")
+        return _FileSink(f, f._file, "close")  # aiofiles keeps the file it wraps in _file
+    g = await anyio.open_file(path, "wb")
+    return _FileSink(g, g.wrapped, "aclose")
 
 
 def rotated_path(path: Path, part: int) -> Path:
@@ -349,9 +351,7 @@ class Recorder:
 
                 async def seal(payloads: list[tuple[bytes, int]], slot: list[bytes]) -> None:
                     slot.extend(
-                        await anyio.to_thread.run_sync(
-                            lambda: [seal_frame(p, t, codec) for p, t in payloads]
-                        )
+                        await run_sync(lambda: [seal_frame(p, t, codec) for p, t in payloads])
                     )
 
                 tg.start_soon(seal, payloads, slot)
