@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 import zeus_async.store.progress as progress_module
+from zeus_async.aggregate.history import DeviceHistory
 from zeus_async.clock import FakeClock
 from zeus_async.devices.sim import SimConfig
 from zeus_async.devices.sim_config import GpuOverride
@@ -230,6 +231,35 @@ def test_unknown_names_are_config_errors(rec_path: Path) -> None:
         rec.total("gpu.temperature_c")
     with pytest.raises(ConfigError, match="ends before it starts"):
         rec.energy("gpu:0", T0 + MS, T0)
+
+
+def test_energy_outside_the_samples_is_an_error_not_an_extrapolation(rec_path: Path) -> None:
+    # Power held constant past the last sample once gave 1 s after the end of a recording, or
+    # 1 ms well after it, the energy from the last sample to the interval's end.
+    rec = Recording(rec_path)
+    end = T0 + 1000 * MS
+    for device in ("gpu:0", "gpu:1", "cpu:0"):
+        for t0, t1 in [
+            (end + 1000 * MS, end + 2000 * MS),  # after the end
+            (end + 5000 * MS, end + 5001 * MS),
+            (T0 - 2000 * MS, T0 - 1000 * MS),  # before the start
+            (T0 + 500 * MS, end + 1),  # reaching past the end
+        ]:
+            with pytest.raises(ConfigError, match="outside the samples"):
+                rec.energy(device, t0, t1)
+    assert rec.energy("gpu:0", T0, end).energy_j == rec.energy("gpu:0").energy_j
+
+
+def test_history_energy_after_the_last_counter_point_is_integrated_power() -> None:
+    # An interval that starts after the last counter update (a device that stopped, a window
+    # finalized on timeout) once summed a negative counter difference and power from the last
+    # update on, counting the time before the interval too.
+    history = DeviceHistory("gpu:0")
+    for k in range(11):  # counter +10 J per 100 ms (100 W), power 100 W, every 50 ms
+        history.add(T0 + k * 50 * MS, 100.0, 1000.0 + 10.0 * (k // 2))
+    t0 = T0 + 600 * MS
+    e = history.energy(t0, t0 + 200 * MS)
+    assert e.energy_j == pytest.approx(20.0)
 
 
 def test_hosts_are_told_apart(tmp_path: Path) -> None:

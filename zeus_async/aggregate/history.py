@@ -205,7 +205,7 @@ class DeviceHistory:
             if len(ct) >= 2 and ct[0] <= t0_ns and ct[-1] >= t1_ns:
                 e = self._counter_at(t1_ns, head) - self._counter_at(t0_ns, head)
                 return EnergyEstimate(e, "counter+interpolated")
-            if len(ct) >= 2 and self._pt and ct[0] <= t1_ns:
+            if len(ct) >= 2 and self._pt and ct[0] < t1_ns and ct[-1] > t0_ns:
                 # Counter covers part of the interval: counter inside, power at the ends.
                 lo, hi = max(t0_ns, ct[0]), min(t1_ns, ct[-1])
                 e = self._counter_at(hi, head) - self._counter_at(lo, head)

@@ -536,7 +536,8 @@ class Recording:
         (``integrated``). ``None`` bounds are the device's first and last sample.
 
         Raises:
-            ConfigError: Not a GPU or RAPL device of this recording, or ``t1_ns < t0_ns``.
+            ConfigError: Not a GPU or RAPL device of this recording, ``t1_ns < t0_ns``, or an
+                interval reaching outside the device's samples (energy there is unknown).
         """
         key = self._resolve(device, self._histories)
         first, last = self._spans[key]
@@ -544,6 +545,11 @@ class Recording:
         t1 = last if t1_ns is None else t1_ns
         if t1 < t0:
             raise ConfigError(f"interval ends before it starts: [{t0}, {t1}]")
+        if t0 < first or t1 > last:
+            raise ConfigError(
+                f"interval [{t0}, {t1}] reaches outside the samples of {key} "
+                f"([{first}, {last}], {(last - first) / 1e9:.3f} s): energy there is unknown"
+            )
         return self._histories[key].energy(t0, t1)
 
     def totals(self) -> Totals:
