@@ -96,14 +96,52 @@ async def until_stopped(duration: float | None = None) -> AsyncIterator[anyio.ab
             tg.cancel_scope.cancel()
 
 
-async def wait_for_publisher(sub: Subscriber, endpoints: Sequence[str], timeout: float) -> None:
-    """Wait for one stream's handshake; a clear error when nobody answers in time."""
+def _whole_number(text: str, minimum: int) -> int:
     try:
-        await sub.wait_ready(streams=1, timeout=timeout)
-    except TimeoutError:
-        raise ConfigError(
-            f"no publisher answered at {', '.join(endpoints)} within {timeout:g} s"
-        ) from None
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (counts such as ``--count``)."""
+    return _whole_number(text, 1)
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _whole_number(text, 0)
+
+
+class Interrupted(Exception):
+    """Ctrl-C (or SIGTERM) before the command got going: one line, exit status 130."""
+
+
+async def wait_for_publisher(sub: Subscriber, endpoints: Sequence[str], timeout: float) -> None:
+    """Wait for one stream's handshake; a clear error when nobody answers in time, and
+    :class:`Interrupted` on Ctrl-C meanwhile."""
+    stop = _stop_requested.get()
+    timed_out = False
+    async with anyio.create_task_group() as tg:
+        if stop is not None:
+
+            async def cancel_on_stop() -> None:
+                await stop.wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(cancel_on_stop)
+        try:
+            await sub.wait_ready(streams=1, timeout=timeout)
+        except TimeoutError:
+            timed_out = True
+        tg.cancel_scope.cancel()
+    if stop is not None and stop.is_set():
+        raise Interrupted(f"interrupted before a publisher answered at {', '.join(endpoints)}")
+    if timed_out:
+        raise ConfigError(f"no publisher answered at {', '.join(endpoints)} within {timeout:g} s")
 
 
 def fmt_cell(value: float | int | None, scale: float = 1.0, digits: int = 1) -> str:

@@ -10,16 +10,18 @@ import argparse
 import datetime
 import logging
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TextIO
 
 import anyio
+import msgspec
 
-from ._cli_common import until_stopped, wait_for_publisher
+from ._cli_common import nonnegative_int, positive_int, until_stopped, wait_for_publisher
 from .errors import ConfigError
-from .events import Event, event_kind
+from .events import Event, StreamInfo, event_kind
 
 __all__ = ["COMMANDS", "add_parsers"]
 
@@ -46,7 +48,9 @@ def add_parsers(sub: Any, positive_float: Callable[[str], float]) -> None:
     """Add the recording commands to the CLI's subparsers."""
     ins = sub.add_parser("inspect", help="summary of a recording")
     ins.add_argument("file")
-    ins.add_argument("--windows", type=int, default=20, help="windows to list (default 20)")
+    ins.add_argument(
+        "--windows", type=nonnegative_int, default=20, help="windows to list (default 20)"
+    )
 
     exp = sub.add_parser("export", help="convert a recording to CSV or JSON lines")
     exp.add_argument("file")
@@ -74,7 +78,7 @@ def add_parsers(sub: Any, positive_float: Callable[[str], float]) -> None:
     rec.add_argument("-o", "--output", required=True, metavar="FILE")
     rec.add_argument("--topic", action="append", default=None, help="topic prefix (repeatable)")
     rec.add_argument("--duration", type=positive_float, default=None, help="stop after S s")
-    rec.add_argument("--count", type=int, default=None, help="stop after N events")
+    rec.add_argument("--count", type=positive_int, default=None, help="stop after N events")
     rec.add_argument("--rotate-mb", type=positive_float, default=None, help="rotate at this size")
     rec.add_argument(
         "--wait", type=positive_float, default=10.0, help="give up if no publisher answers (s)"
@@ -236,6 +240,13 @@ async def _replay(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _restamped(info: StreamInfo, start_ns: int) -> StreamInfo:
+    """A stream that was running before the recording began keeps its description in the
+    file, stamped no earlier than the recording's start: the file spans what it holds
+    (inspect's duration, replay's pacing), not the publisher's whole life."""
+    return msgspec.structs.replace(info, t_ns=max(info.t_ns, start_ns))
+
+
 async def _record(args: argparse.Namespace, out: TextIO) -> int:
     from .bus import Subscriber
     from .runtime.hub import EventBatches
@@ -247,13 +258,14 @@ async def _record(args: argparse.Namespace, out: TextIO) -> int:
     if not folder.is_dir():
         # Said now, not after waiting for a publisher and its first events.
         raise ConfigError(f"cannot write {args.output}: no directory {folder}")
+    start_ns = time.time_ns()
     async with Subscriber(args.endpoints, topics=topics) as sub:
         await wait_for_publisher(sub, args.endpoints, args.wait)
-        infos = list(sub.ready_streams.values())
+        infos = [_restamped(info, start_ns) for info in sub.ready_streams.values()]
         first = infos[0]
         header = RecordingHeader(
             host=first.host,
-            start_wall_ns=first.t_ns,
+            start_wall_ns=start_ns,
             pid=first.pid,
             argv=list(first.argv),
             devices=[d for info in infos for d in info.devices],
@@ -272,6 +284,8 @@ async def _record(args: argparse.Namespace, out: TextIO) -> int:
                     await batches.send(info)
                     count += 1
                 async for event in sub:
+                    if isinstance(event, StreamInfo):  # re-sent on each new subscription
+                        event = _restamped(event, start_ns)
                     await batches.send(event)
                     count += 1
                     if args.count is not None and count >= args.count:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,8 +32,14 @@ import anyio
 import msgspec
 
 from . import _cli_pfo, _cli_processes, _cli_store
+from ._cli_common import (
+    Interrupted,
+    positive_int,
+    run_command,
+    until_stopped,
+    wait_for_publisher,
+)
 from ._cli_common import fmt_cell as _fmt
-from ._cli_common import run_command, until_stopped, wait_for_publisher
 from .aggregate import LiveTotals
 from .errors import ZeusAsyncError, sole_exception
 from .events import Event, event_to_dict, event_to_json
@@ -65,9 +72,9 @@ def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value > 0 or value != value or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
 
@@ -115,7 +122,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sbs.add_argument("endpoints", nargs="+", metavar="ENDPOINT")
     sbs.add_argument("--topic", action="append", default=None, help="topic prefix (repeatable)")
     sbs.add_argument("--json", action="store_true", help="one JSON object per line")
-    sbs.add_argument("--count", type=int, default=None, help="stop after N events")
+    sbs.add_argument("--count", type=positive_int, default=None, help="stop after N events")
     sbs.add_argument("--duration", type=_positive_float, default=None, help="stop after S s")
     sbs.add_argument(
         "--wait", type=_positive_float, default=10.0, help="give up if no publisher answers (s)"
@@ -236,9 +243,15 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
             )
             out.flush()
             drawn = 0
-            async with until_stopped(args.duration):
+            exited = anyio.Event()
+            async with until_stopped(args.duration) as tg:
+                if child is not None:
+                    tg.start_soon(_watch_child, child, exited)
                 while True:
-                    await anyio.sleep(args.refresh)
+                    # The table is redrawn every --refresh s, and at once when the command exits:
+                    # the totals then end with it, not up to one refresh later.
+                    with anyio.move_on_after(args.refresh):
+                        await exited.wait()
                     lines = render_table(totals)
                     table = processes.lines()
                     if table:
@@ -250,7 +263,7 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
                         out.write("\n")
                     out.flush()
                     drawn = len(lines)
-                    if child is not None and child.poll() is not None:
+                    if child is not None and exited.is_set():
                         code = child.returncode
                         break
     finally:
@@ -263,6 +276,11 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
         out.write("\n".join(table) + "\n")
     out.flush()
     return code
+
+
+async def _watch_child(child: subprocess.Popen[bytes], exited: anyio.Event) -> None:
+    await anyio.to_thread.run_sync(child.wait, abandon_on_cancel=True)
+    exited.set()
 
 
 async def _exporter(args: argparse.Namespace, out: TextIO) -> int:
@@ -353,6 +371,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return 130
     except Exception as caught:  # one line, no traceback (a task group's group of one unwrapped)
         exc = sole_exception(caught)
+        if isinstance(exc, Interrupted):
+            sys.stderr.write(f"zeus-async {args.command}: {exc}\n")
+            return 130
         if isinstance(exc, (CliError, ZeusAsyncError, OSError)):
             sys.stderr.write(f"zeus-async {args.command}: {exc}\n")
             return EXIT_ERROR

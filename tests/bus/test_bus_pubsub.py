@@ -318,8 +318,10 @@ async def test_bind_errors_are_config_errors(ipc_endpoint: str) -> None:
             await Publisher(ipc_endpoint, host="n2").run()
         with pytest.raises(ConfigError, match="only be called once"):
             await pub.run()
+    with pytest.raises(ConfigError, match="tcp port must be"):
+        Publisher("tcp://127.0.0.1:notaport", host="n1")  # refused before binding
     with pytest.raises(ConfigError, match="cannot bind"):
-        await Publisher("tcp://127.0.0.1:notaport", host="n1").run()
+        await Publisher("tcp://192.0.2.1:5555", host="n1").run()  # not an address of this host
 
 
 @pytest.mark.parametrize(

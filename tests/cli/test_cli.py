@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 
+import anyio
 import pytest
 from cli_helpers import free_port, popen, run_cli
 
@@ -51,10 +52,14 @@ def test_monitor_with_adaptive_reads() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["monitor", "--period", "-1"], "positive number of seconds"),
+        (["monitor", "--period", "-1"], "positive number"),
         (["monitor", "--gpus", "a,b"], "comma-separated integers"),
         (["monitor", "--backend", "rocm"], "invalid choice"),
         (["proxy", "--out", "tcp://127.0.0.1:1"], "required"),
+        (["subscribe", "tcp://127.0.0.1:1", "--count", "0"], "whole number >= 1"),
+        (["record", "tcp://127.0.0.1:1", "-o", "x.zarc", "--count", "-1"], "whole number >= 1"),
+        (["record", "tcp://127.0.0.1:1", "-o", "x.zarc", "--rotate-mb", "0"], "positive number"),
+        (["inspect", "x.zarc", "--windows", "-2"], "whole number >= 0"),
     ],
 )
 def test_bad_arguments_give_one_clear_line(args: list[str], message: str) -> None:
@@ -71,6 +76,8 @@ def test_bad_arguments_give_one_clear_line(args: list[str], message: str) -> Non
         (["monitor", "--backend", "sim", "--publish", "tcp://127.0.0.1"], "without a port"),
         (["proxy", "--in", "tcp://127.0.0.1:1", "--out", "bogus"], "transport://address"),
         (["record", "tcp://127.0.0.1:1", "-o", "/nonexistent/dir/x.zarc"], "no directory"),
+        # libzmq binds 99999 modulo 65536 without a word.
+        (["monitor", "--backend", "sim", "--publish", "tcp://127.0.0.1:99999"], "0..65535"),
     ],
 )
 def test_bad_endpoints_and_paths_are_one_line(args: list[str], message: str) -> None:
@@ -216,3 +223,28 @@ sys.exit(anyio.run(run_command, command, argparse.Namespace(), sys.stdout))
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "stopped cleanly\n"
+
+
+def test_ctrl_c_while_waiting_for_a_publisher_says_so() -> None:
+    # It said "no publisher answered ... within 10 s" after 2 s once.
+    from zeus_async._cli_common import Interrupted, _stop_requested, wait_for_publisher
+    from zeus_async.bus import Subscriber
+
+    async def scenario() -> None:
+        stop = anyio.Event()
+        token = _stop_requested.set(stop)
+        try:
+            endpoint = f"tcp://127.0.0.1:{free_port()}"
+            async with Subscriber([endpoint]) as sub, anyio.create_task_group() as tg:
+                tg.start_soon(_set_soon, stop)
+                with pytest.raises(Interrupted, match="interrupted before a publisher answered"):
+                    await wait_for_publisher(sub, [endpoint], timeout=30.0)
+        finally:
+            _stop_requested.reset(token)
+
+    anyio.run(scenario)
+
+
+async def _set_soon(event: anyio.Event) -> None:
+    await anyio.sleep(0.05)
+    event.set()

@@ -49,6 +49,18 @@ def test_monitor_runs_a_command_tracks_it_and_returns_its_exit_code(tmp_path: ob
     assert busy and max(busy) > 0.2  # the command burns CPU (of 2 cores here: up to 0.5)
 
 
+def test_monitor_stops_when_the_command_exits_not_at_the_next_refresh() -> None:
+    # With --refresh 30 it ran (and measured) until the next redraw, 30 s after the command.
+    proc = run_cli(
+        "monitor", "--backend", "sim", "--cpus", "none", "--refresh", "30",
+        "--", sys.executable, "-c", "raise SystemExit(3)",
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    totals = proc.stdout.split("Totals")[1]
+    spans = [float(line.split()[2]) for line in totals.splitlines() if line.startswith("gpu:")]
+    assert spans and max(spans) < 10.0
+
+
 @pytest.mark.slow
 def test_exporter_serves_sampled_metrics_and_a_monitor_stream() -> None:
     port = free_port()

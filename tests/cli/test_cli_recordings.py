@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import csv
 import json
+import time
 from pathlib import Path
 
 import pytest
 from cli_helpers import free_port, popen, run_cli
 
-from zeus_async.events import GpuSample, Measurement, event_to_dict
+from zeus_async.events import GpuSample, Measurement, StreamInfo, event_to_dict
 from zeus_async.store import RecordingReader, recording_parts
 
 
@@ -114,6 +115,9 @@ def test_record_a_remote_stream(tmp_path: Path) -> None:
     mon = popen("monitor", "--backend", "sim", "--gpus", "0,1", "--publish", endpoint)
     out_file = tmp_path / "remote.zarc"
     try:
+        assert mon.stdout is not None
+        assert "Ctrl-C to stop" in mon.stdout.readline()  # streaming, with its stream info sent
+        before_ns = time.time_ns()
         rec = run_cli(
             "record", endpoint, "-o", str(out_file), "--duration", "3.5", "--rotate-mb", "0.005"
         )
@@ -126,6 +130,11 @@ def test_record_a_remote_stream(tmp_path: Path) -> None:
     assert len(parts) >= 2  # rotated at 5 kB
     events = [e for p in parts for e in RecordingReader(p)]
     reader = RecordingReader(out_file)
+    # The file spans the recording, not the publisher's life before it (the stream info the
+    # handshake got is kept, stamped with the start of the recording).
+    assert reader.header.start_wall_ns >= before_ns
+    infos = [e for e in events if isinstance(e, StreamInfo)]
+    assert infos and all(e.t_ns >= reader.header.start_wall_ns for e in infos)
     assert [d.key for d in reader.header.devices] == ["gpu:0", "gpu:1"]
     assert reader.header.meta["recorded_from"] == endpoint
     assert RecordingReader(parts[1]).header.meta["part"] == "1"

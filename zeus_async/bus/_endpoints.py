@@ -39,9 +39,13 @@ def _tcp_host(endpoint: str) -> str:
     # tcp://[iface;]host:port, host may be [v6]; the part after ';' is the bind address.
     if ";" in rest:
         rest = rest.split(";", 1)[1]
-    host, sep, _port = rest.rpartition(":")
+    rest = rest.split("/", 1)[0]  # ws://host:port/path
+    host, sep, port = rest.rpartition(":")
     if not sep:
         raise ConfigError(f"tcp endpoint without a port: {endpoint!r}")
+    if port != "*" and not (port.isdigit() and int(port) <= 65535):
+        # libzmq would take 99999 modulo 65536 and bind another port without a word.
+        raise ConfigError(f"tcp port must be 0..65535 or '*', got {port!r} in {endpoint!r}")
     return host.strip("[]")
 
 
