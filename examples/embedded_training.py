@@ -46,6 +46,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--publish", default="tcp://127.0.0.1:5557")
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
 
     kind, step = make_step()
     with Monitor(publish=args.publish) as monitor:
@@ -62,7 +64,11 @@ def main() -> None:
         # Energy figures resolve shortly after each window ends; reading them waits if needed.
         per_step = [r.total_energy for r in results if r is not None]
     print(f"trained in {elapsed:.2f} s ({elapsed / args.steps * 1e3:.2f} ms/step)")
-    print(f"whole run: {total.time:.2f} s, {total.total_energy:.1f} J on the GPUs")
+    gpus = sum(total.gpu_energy.values())
+    print(
+        f"whole run: {total.time:.2f} s, {gpus:.1f} J on the GPUs "
+        f"({total.total_energy:.1f} J with CPU and DRAM where RAPL is readable)"
+    )
     for gpu, joules in sorted(total.gpu_energy.items()):
         print(f"  gpu:{gpu}  {joules:9.1f} J  ({total.methods[f'gpu:{gpu}']})")
     print(

@@ -75,6 +75,11 @@ def main() -> int:
         )
     try:
         return anyio.run(summarize, args.endpoint, args.seconds, backend="asyncio")
+    except TimeoutError:
+        sys.stderr.write(f"no publisher answered at {args.endpoint} within 15 s\n")
+        return 1
+    except KeyboardInterrupt:
+        return 130
     finally:
         if monitor is not None:
             monitor.terminate()

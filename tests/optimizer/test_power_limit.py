@@ -752,6 +752,15 @@ def test_corrupt_profile_is_a_config_error(tmp_path: Path, content: bytes, messa
     assert path.read_bytes() == content  # left alone
 
 
+def test_a_profile_path_that_cannot_be_written_is_a_config_error(tmp_path: Path) -> None:
+    # It was accepted, and the background thread failed once profiling was done (profile lost).
+    mon = FakeMonitor()
+    with pytest.raises(ConfigError, match="no writable directory"):
+        GlobalPowerLimitOptimizer(
+            cast(Monitor, mon), profile_path=tmp_path / "no" / "p.json", restore_on_signals=False
+        )
+
+
 # -- 4. privileges --------------------------------------------------------------------------------
 
 

@@ -359,7 +359,8 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
     Raises:
         ValueError: Invalid step counts, GPUs with different power-limit ranges.
         NoPermissionError: The process may not change power limits (says which privilege).
-        ConfigError: ``profile_path`` holds a corrupt profile; adaptive profiling across ranks.
+        ConfigError: ``profile_path`` holds a corrupt profile, or is new and its directory is
+            missing or not writable; adaptive profiling across ranks.
     """
 
     def __init__(
@@ -391,6 +392,14 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
         self.profile_steps = profile_steps
         self.pl_step = pl_step
         self.profile_path = None if profile_path is None else Path(profile_path)
+        if self.profile_path is not None and not self.profile_path.exists():
+            folder = self.profile_path.absolute().parent
+            if not folder.is_dir() or not os.access(folder, os.W_OK):
+                # Said now, not by the background thread once profiling is done and lost.
+                raise ConfigError(
+                    f"cannot write the profile {str(self.profile_path)!r}: no writable "
+                    f"directory {str(folder)!r}"
+                )
         self.adaptive: AdaptiveOptions | None = (
             AdaptiveOptions() if adaptive is True else adaptive or None
         )
