@@ -10,26 +10,34 @@ nothing that matters.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import anyio.to_thread
 
-__all__ = ["run_sync", "threads_refused"]
+__all__ = ["or_on_this_thread", "run_sync"]
 
 T = TypeVar("T")
 
 
-def threads_refused(exc: BaseException) -> bool:
+def _threads_refused(exc: RuntimeError) -> bool:
     """Whether ``exc`` says no thread or executor job can be started (interpreter exit)."""
-    return isinstance(exc, RuntimeError) and "interpreter shutdown" in str(exc)
+    return "interpreter shutdown" in str(exc)
+
+
+async def or_on_this_thread(
+    attempt: Callable[[], Awaitable[T]], func: Callable[..., T], *args: object
+) -> T:
+    """``await attempt()`` (which hands ``func`` to a thread), or ``func(*args)`` on this
+    thread when threads are refused."""
+    try:
+        return await attempt()
+    except RuntimeError as exc:
+        if not _threads_refused(exc):
+            raise
+        return func(*args)
 
 
 async def run_sync(func: Callable[..., T], *args: object) -> T:
     """``func(*args)`` in a worker thread, or on this thread when threads are refused."""
-    try:
-        return await anyio.to_thread.run_sync(func, *args)
-    except RuntimeError as exc:
-        if not threads_refused(exc):
-            raise
-        return func(*args)
+    return await or_on_this_thread(lambda: anyio.to_thread.run_sync(func, *args), func, *args)

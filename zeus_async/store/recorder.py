@@ -27,7 +27,7 @@ import msgspec
 from anyio.abc import ObjectReceiveStream
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from .._threads import run_sync, threads_refused
+from .._threads import or_on_this_thread, run_sync
 from ..clock import Clock, RealClock
 from ..errors import ConfigError
 from ..events import Event, EventEncoder
@@ -76,12 +76,9 @@ class _FileSink:
         self._close = close
 
     async def _do(self, name: str, raw_name: str, *args: Any) -> None:
-        try:
-            await getattr(self._f, name)(*args)
-        except RuntimeError as exc:
-            if not threads_refused(exc):
-                raise
-            getattr(self._raw, raw_name)(*args)
+        await or_on_this_thread(
+            lambda: getattr(self._f, name)(*args), getattr(self._raw, raw_name), *args
+        )
 
     async def write(self, data: bytes) -> None:
         await self._do("write", "write", data)
