@@ -34,8 +34,11 @@ def test_the_real_gpu_check_reports_every_part_and_restores_the_power_limit(
     assert report.strip() == proc.stdout.strip()
     for heading in ("## Machine", "## NVML call cost", "## Under load", "## Power limit"):
         assert heading in report
-    # The simulator refreshes every 100 ms, exactly.
-    assert re.search(r"\| energy_j \| \d+ \| 100\.0 \|", report), report
+    # The simulator refreshes every 100 ms, exactly; change times are sample stamps, off by
+    # up to a tick (and a stall) each, so the mean over a few seconds is close, the median exact.
+    row = re.search(r"\| energy_j \| (\d+) \| ([\d.]+) \| (\d+) \|", report)
+    assert row, report
+    assert int(row[1]) >= 20 and abs(float(row[2]) - 100.0) < 2.0 and row[3] == "100"
     assert "| adaptive reads |" in report and "vs truth: median" in report
     # Three phases measured, and the limit in force before is the one left afterwards.
     assert "| minimum | 200 | 200 |" in report
