@@ -10,6 +10,17 @@ import pytest
 from zeus_async.testing.replay import ReplayRun, replay_recording
 
 
+@pytest.fixture(autouse=True)
+def private_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Each test gets its own private directory (``ZEUS_ASYNC_DIR``): agent socket, lease
+    journals and simulated node state start empty and are never shared between tests. Child
+    processes inherit it. Short (ipc paths are limited to ~107 bytes)."""
+    path = tempfile.mkdtemp(prefix="za-")
+    monkeypatch.setenv("ZEUS_ASYNC_DIR", path)
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)

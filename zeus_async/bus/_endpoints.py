@@ -6,9 +6,9 @@ import ipaddress
 import logging
 import os
 import socket
-import tempfile
 from pathlib import Path
 
+from .._paths import private_dir
 from ..errors import ConfigError
 
 __all__ = ["check_bind_endpoint", "default_endpoint", "is_local_endpoint"]
@@ -19,19 +19,16 @@ _LOOPBACK_NAMES = frozenset({"localhost", "lo", "lo0", "ip6-localhost", "ip6-loo
 
 
 def default_endpoint() -> str:
-    """The default publisher endpoint: an ipc socket in a per-user private directory.
+    """The default publisher endpoint: ``bus.sock`` in the per-user private directory.
 
-    ``$XDG_RUNTIME_DIR/zeus-async/bus.sock`` when that directory exists, else
-    ``<tmp>/zeus-async-<uid>/bus.sock``; the directory is created with mode 0700 so only the
-    owning user can connect.
+    The directory (:func:`zeus_async._paths.private_dir`: ``$XDG_RUNTIME_DIR/zeus-async`` or
+    ``<tmp>/zeus-async-<uid>``) is created with mode 0700 and checked for owner and mode, so
+    only the owning user can connect, and a directory another user made first is refused.
+
+    Raises:
+        ConfigError: The private directory is not safe to use.
     """
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and Path(runtime).is_dir():
-        base = Path(runtime) / "zeus-async"
-    else:
-        uid = os.getuid() if hasattr(os, "getuid") else 0
-        base = Path(tempfile.gettempdir()) / f"zeus-async-{uid}"
-    return f"ipc://{base / 'bus.sock'}"
+    return f"ipc://{private_dir() / 'bus.sock'}"
 
 
 def _tcp_host(endpoint: str) -> str:
