@@ -167,9 +167,13 @@ def test_closed_monitor_refuses_windows() -> None:
         Monitor(backend="sim", clock=object())
 
 
-def test_sampler_process_failure_is_reported() -> None:
-    with pytest.raises(RuntimeError, match="sampler process"):
-        Monitor(backend="nvml", cpu_indices=[])  # no NVIDIA driver here: the child fails
+def test_sampler_process_failure_is_reported_with_its_type() -> None:
+    from zeus_async.errors import ConfigError, DriverNotLoadedError
+
+    with pytest.raises(DriverNotLoadedError, match="NVML"):
+        Monitor(backend="nvml", cpu_indices=[])  # no NVIDIA driver here: the agent fails
+    with pytest.raises(ConfigError, match="out of range"):
+        Monitor(backend="sim", gpu_indices=[99], cpu_indices=[], sim_config=CONFIG)
 
 
 def test_killed_sampler_process_fails_pending_windows() -> None:

@@ -132,6 +132,31 @@ def _build_parser() -> argparse.ArgumentParser:
     prx.add_argument("--in", dest="inputs", nargs="+", required=True, metavar="ENDPOINT")
     prx.add_argument("--out", dest="output", required=True, metavar="ENDPOINT")
     prx.add_argument("--duration", type=_positive_float, default=None, help="stop after S s")
+    agt = sub.add_parser(
+        "agent",
+        help="run the node agent (one sampler for every client; restores settings)",
+        description="Run the node agent: it samples every GPU once and serves the Monitors, "
+        "optimizers and PFO clients of this user on this node, and puts back every power limit "
+        "and clock lock a client changed when the client releases it, exits or dies, and when "
+        "the agent stops. Its first act is to restore what dead processes left changed.",
+    )
+    agt.add_argument(
+        "--restore",
+        action="store_true",
+        help="only restore the settings dead processes left changed, then exit",
+    )
+    agt.add_argument("--backend", choices=("auto", "nvml", "sim"), default="auto")
+    agt.add_argument("--period", type=_positive_float, default=0.01, help="sampling period (s)")
+    agt.add_argument("--adaptive", action="store_true", help="adaptive reads (see monitor)")
+    agt.add_argument("--publish", metavar="ENDPOINT", help="also publish on a ZeroMQ endpoint")
+    agt.add_argument("--record", metavar="FILE", help="also record every event to FILE")
+    agt.add_argument(
+        "--exit-when-idle",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help="stop S seconds after the last client left",
+    )
     _cli_store.add_parsers(sub, _positive_float)
     _cli_processes.add_exporter_parser(sub, _positive_float, _int_list)
     _cli_pfo.add_parsers(sub, _positive_float)
@@ -342,6 +367,39 @@ async def _proxy(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
+def _agent(args: argparse.Namespace, out: TextIO) -> int:
+    """``zeus-async agent``: its own event loop and signal handling (restores come first)."""
+    from .agent.client import node_agent_config
+    from .agent.leases import recover_orphans
+    from .agent.server import EXIT_AGENT_RUNNING, serve
+
+    try:
+        if args.restore:
+            restored = recover_orphans()
+            for r in restored:
+                what = "power limit" if r.entry.setting == "power_limit" else "locked clocks"
+                status = f"failed: {r.error}" if r.error else "restored"
+                out.write(f"{r.entry.uuid} {what} (left by pid {r.entry.pid}): {status}\n")
+            out.write(f"{len(restored)} setting(s) found to restore\n")
+            return EXIT_ERROR if any(r.error for r in restored) else EXIT_OK
+        cfg = node_agent_config(
+            backend=args.backend,
+            period_s=args.period,
+            adaptive_reads=args.adaptive,
+            publish=args.publish,
+            record=args.record,
+            exit_when_idle_s=args.exit_when_idle,
+        )
+    except (ZeusAsyncError, OSError) as exc:
+        sys.stderr.write(f"zeus-async agent: {exc}\n")
+        return EXIT_ERROR
+    code = serve(cfg, ready_line=True)
+    if code == EXIT_AGENT_RUNNING:
+        sys.stderr.write("zeus-async agent: another agent is already running on this node\n")
+        return EXIT_ERROR
+    return EXIT_OK if code == 0 else EXIT_ERROR
+
+
 # -- entry point --------------------------------------------------------------------------------
 
 
@@ -365,6 +423,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     if args.command is None:
         parser.print_help(stream)
         return EXIT_USAGE
+    if args.command == "agent":
+        return _agent(args, stream)
     try:
         return anyio.run(run_command, commands[args.command], args, stream, backend="asyncio")
     except KeyboardInterrupt:

@@ -22,6 +22,7 @@ __all__ = [
     "DeviceLostError",
     "DeviceNotFoundError",
     "DriverNotLoadedError",
+    "LeaseConflictError",
     "NoPermissionError",
     "NotSupportedError",
     "SchemaVersionError",
@@ -37,6 +38,14 @@ class ZeusAsyncError(Exception):
 
 class ConfigError(ZeusAsyncError, ValueError):
     """Invalid settings or arguments (bad period, unknown backend, bad endpoint, ...)."""
+
+
+class LeaseConflictError(ZeusAsyncError):
+    """A hardware setting (a GPU's power limit or locked clocks) is held by another client.
+
+    Two clients asking different settings for one GPU would undo each other's changes; the
+    second is refused until the first releases its lease (see :mod:`zeus_async.agent`).
+    """
 
 
 class CodecError(ZeusAsyncError, ValueError):

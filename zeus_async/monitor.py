@@ -29,16 +29,18 @@ readings, so short windows are never 0 J) or, before Volta, from integrated powe
 from __future__ import annotations
 
 import csv
+import errno
 import functools
 import io
 import logging
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import aiofiles
 from anyio.abc import ObjectReceiveStream
@@ -54,6 +56,8 @@ from .runtime.sampler_process import Edge, SamplerProcess
 __all__ = ["Monitor", "ProfilingResult", "WindowContext", "window_log_consumer"]
 
 logger = logging.getLogger(__name__)
+
+_Setting = Literal["power_limit", "sm_clocks"]
 
 
 class ProfilingResult(NamedTuple):
@@ -108,6 +112,65 @@ def window_log_consumer(
     return consume
 
 
+def _check_output_path(what: str, path: str | Path | None) -> None:
+    """Refuse an output path the agent could not write, here, with the path in the error."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise IsADirectoryError(errno.EISDIR, f"{what} is a directory", str(p))
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise FileNotFoundError(errno.ENOENT, f"the directory of {what} does not exist", str(p))
+    if not os.access(parent, os.W_OK):
+        raise PermissionError(errno.EACCES, f"cannot write {what} in its directory", str(p))
+
+
+def _agent_endpoint(agent: str | bool | None, *, private_only: bool) -> str | None:
+    """The endpoint to attach to, or ``None`` for a private agent (see ``Monitor(agent=)``)."""
+    from .agent.client import ensure_node_agent, node_agent_endpoint
+
+    if isinstance(agent, str):
+        return agent
+    if agent is False:
+        return None
+    if agent is None:
+        if os.environ.get("ZEUS_ASYNC_AGENT", "").lower() in ("0", "off", "no", "false"):
+            return None
+        if private_only:
+            return None
+        running = node_agent_endpoint()
+        if running is not None:
+            return running
+        if "LOCAL_RANK" not in os.environ:
+            return None
+    return ensure_node_agent()
+
+
+def _rank_gpus() -> list[int] | None:
+    """A torchrun rank's GPU by default: ``LOCAL_RANK``, or the only visible GPU."""
+    local = os.environ.get("LOCAL_RANK")
+    if local is None:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and len([v for v in visible.split(",") if v.strip()]) == 1:
+        return [0]
+    try:
+        return [int(local)]
+    except ValueError:
+        return None
+
+
+def _attached_gpus(asked: Sequence[int], available: Sequence[int]) -> list[int]:
+    unknown = [g for g in asked if g not in available]
+    if unknown:
+        raise ConfigError(
+            f"GPU index(es) {unknown} out of range: {len(available)} GPU(s) visible to this "
+            "process (CUDA_VISIBLE_DEVICES applies)"
+        )
+    return list(asked)
+
+
 class WindowContext:
     """Yielded by :meth:`Monitor.window`; ``result`` is set when the block ends."""
 
@@ -160,6 +223,14 @@ class Monitor(ClosedOnExit):
         prometheus_port: Serve the samples, process metrics and window energies on a
             Prometheus endpoint at this port (``0``: any free port, see
             :attr:`prometheus_port`).
+        agent: Where sampling runs with ``sampler="process"`` (``docs/agent.md``). ``None``
+            (default): attach to the node agent when one runs (``zeus-async agent``) or when
+            this is a torchrun rank (the first rank starts it), else start a private agent;
+            options that only a private agent has (``record``, ``publish``, ``log_file``,
+            ``prometheus_port``, ``processes``, other sampling settings) also pick a private
+            one. ``False``: always a private agent. ``True``: the node agent (started if none
+            runs). A string: the endpoint of an agent to attach to. The environment variable
+            ``ZEUS_ASYNC_AGENT=off`` makes ``None`` mean ``False``.
         **runtime_options: More :class:`~zeus_async.runtime.Runtime` arguments (``clock``,
             ``sim_config``, ``fields``, ...). By default only ``power_w`` and ``energy_j`` are
             sampled, at ``sample_period``: that is all windows need. ``adaptive_reads=True``
@@ -189,6 +260,7 @@ class Monitor(ClosedOnExit):
         input_size: Sequence[int] | None = None,
         meta: Mapping[str, str] | None = None,
         prometheus_port: int | None = None,
+        agent: str | bool | None = None,
         **runtime_options: Any,
     ) -> None:
         if sync_execution_with not in ("torch", None):
@@ -213,6 +285,7 @@ class Monitor(ClosedOnExit):
         self._stack: list[str] = []
         self._stack_lock = threading.Lock()
         self._closed = False
+        self._close_hooks: list[Callable[[], None]] = []
         self._process: SamplerProcess | None = None
         self._embedded: EmbeddedRuntime | None = None
         self._tracker: WindowTracker | None = None
@@ -223,7 +296,24 @@ class Monitor(ClosedOnExit):
                     f"{', '.join(sorted(unknown))}: not available with sampler='process' "
                     "(use sampler='thread')"
                 )
+            _check_output_path("record", record)
+            _check_output_path("log_file", log_file)
+            private_only = (
+                record is not None
+                or publish is not None
+                or log_file is not None
+                or prometheus_port is not None
+                or tracking is not None
+                or sample_period != 0.01
+                or backend != "auto"
+                or bool(set(runtime_options) - {"fields"})
+                or runtime_options["fields"] != {"power_w": None, "energy_j": None}
+            )
+            attach = _agent_endpoint(agent, private_only=bool(private_only))
+            if attach is not None and gpu_indices is None:
+                gpu_indices = _rank_gpus()
             self._process = SamplerProcess(
+                attach=attach,
                 backend=backend,
                 gpus=gpu_indices,
                 cpus=None if cpu_indices is None else list(cpu_indices),
@@ -240,6 +330,8 @@ class Monitor(ClosedOnExit):
             #: Port of the Prometheus endpoint (``None`` without one).
             self.prometheus_port: int | None = self._process.prometheus_port
             self.gpu_indices: list[int] = list(self._process.gpu_indices)
+            if attach is not None and gpu_indices is not None:
+                self.gpu_indices = _attached_gpus(gpu_indices, self.gpu_indices)
             self.cpu_indices: list[int] = list(self._process.cpu_indices)
         else:
             consumers = list(runtime_options.pop("consumers", ()))
@@ -284,8 +376,11 @@ class Monitor(ClosedOnExit):
         """Start window ``key``.
 
         Raises:
+            TypeError: ``key`` is not a string.
             ValueError: ``key`` is already open (pass ``restart=True`` to replace it).
         """
+        if not isinstance(key, str):
+            raise TypeError(f"window key must be a str, not {type(key).__name__} ({key!r})")
         self._check_open()
         self._sync_devices(sync_execution)
         t_ns = time.time_ns()
@@ -429,6 +524,33 @@ class Monitor(ClosedOnExit):
             functools.partial(runtime.set_sm_clocks, mhz, gpus, source=source)
         )
 
+    def release(self, gpus: Sequence[int] | None = None, setting: str | None = None) -> Future[Any]:
+        """Put back the power limits and clocks changed through this monitor (all GPUs, both
+        settings by default) as they were before the first change, without waiting.
+
+        ``setting`` is ``"power_limit"`` or ``"sm_clocks"``. :meth:`close` does this too,
+        and the agent does it when this process dies.
+        """
+        self._check_open()
+        if setting not in (None, "power_limit", "sm_clocks"):
+            raise ConfigError(
+                f"setting must be 'power_limit', 'sm_clocks' or None, not {setting!r}"
+            )
+        if self._process is not None:
+            return self._process.control(
+                "release", gpus=gpus, setting=cast(_Setting, setting), source="restore"
+            )
+        assert self._embedded is not None and self._embedded.runtime is not None
+        runtime = self._embedded.runtime
+        return self._embedded.call_soon(
+            functools.partial(runtime.release, "", gpus, cast(_Setting, setting))
+        )
+
+    def on_close(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` first when this monitor closes (optimizers built on it restore their
+        settings through it, so they must close before it)."""
+        self._close_hooks.append(hook)
+
     def publish(self, event: Event) -> Future[Any]:
         """Publish ``event`` on the monitor's stream (bus, recording, log) without waiting."""
         self._check_open()
@@ -447,6 +569,12 @@ class Monitor(ClosedOnExit):
         """Stop sampling; pending windows are finalized with the data there is. Idempotent."""
         if self._closed:
             return
+        hooks, self._close_hooks = self._close_hooks, []
+        for hook in reversed(hooks):
+            try:
+                hook()
+            except Exception:
+                logger.exception("closing %r before the monitor failed", hook)
         self._closed = True
         if self._process is not None:
             self._process.stop()

@@ -443,6 +443,10 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
             self.state = Ready(self.power_limits[0], wait_steps + 1)
             self._emit("ready", self.power_limits[0], steps=wait_steps + 1)
         call_at_exit(self.close)
+        # Closing the monitor first closes this (its restores go through the monitor).
+        on_close = getattr(self.monitor, "on_close", None)
+        if on_close is not None:
+            on_close(self.close)
         if restore_on_signals:
             self._signals.install()
 

@@ -113,6 +113,11 @@ class EventBatches:
             self._ready = None
             ready.set()
 
+    @property
+    def pending(self) -> int:
+        """Events buffered and not yet taken."""
+        return len(self._buf)
+
     def take_nowait(self) -> list[Event]:
         """Everything buffered now (possibly an empty list), without waiting."""
         batch, self._buf = self._buf, []

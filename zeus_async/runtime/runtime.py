@@ -15,6 +15,7 @@ devices are closed.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -24,10 +25,11 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import ObjectReceiveStream, TaskGroup, TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .._threads import run_sync
 from ..aggregate.windows import WindowResult, WindowTracker
@@ -36,7 +38,11 @@ from ..devices import OpenedDevices, open_devices
 from ..devices.base import Device, GpuControl, GpuProcessReader
 from ..devices.processes import ProcessSource
 from ..errors import ConfigError, sole_exception
-from ..events import ClockChange, Event, PowerLimitChange, StreamInfo
+from ..events import ClockChange, DeviceFault, Event, PowerLimitChange, StreamInfo
+
+if TYPE_CHECKING:
+    from ..agent.journal import LeaseEntry, Setting
+    from ..agent.leases import Leases
 from .hub import EventBatches, Hub
 from .processes import EnergyMeter, ProcessSampler, ProcessTracking
 from .sampler import Sampler
@@ -194,6 +200,8 @@ class Runtime:
         #: The bound Prometheus port while running (``None`` without an endpoint).
         self.prometheus_port: int | None = None
         self.exporter: Any | None = None
+        #: Leases on GPU settings changed through this runtime (created at the first change).
+        self.leases: Leases | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -208,6 +216,8 @@ class Runtime:
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:
+            if self._owns_devices:
+                await self._recover_orphans()
             self._open_devices()
             stack.callback(self._close_devices)
             if self._prometheus[0] is not None:
@@ -228,7 +238,9 @@ class Runtime:
                     compression="zstd",
                 )
                 self.recorder = Recorder(self._record, header=header, clock=self.clock)
-                self.start_consumer(self.recorder.run, max_buffer=16384, batched=True)
+                self.start_consumer(
+                    self.recorder.run, max_buffer=16384, batched=True, isolate="recorder"
+                )
             if self._windows:
                 self.tracker = WindowTracker(
                     self.clock,
@@ -276,6 +288,9 @@ class Runtime:
     ) -> bool | None:
         assert self._stack is not None and self._tg is not None
         with anyio.CancelScope(shield=True):
+            # Put back every setting changed through us while devices are open and consumers
+            # (the recorder, the bus) still receive the change events.
+            await self._restore_all()
             self._sampler_scope.cancel()
             await self._samplers_done.wait()
             # Finalize pending windows while consumers can still receive the measurements.
@@ -425,8 +440,62 @@ class Runtime:
         finally:
             self._tracker_done.set()
 
+    async def _recover_orphans(self) -> None:
+        from ..agent.leases import recover_orphans
+
+        try:
+            await run_sync(recover_orphans)
+        except Exception:
+            logger.exception("restoring settings left by dead processes failed")
+
+    def _leases(self) -> Leases:
+        if self.leases is None:
+            from ..agent.leases import Leases
+            from ..devices.sim_config import SIM_ENV_VAR
+
+            sim_json: str | None = None
+            if self.backend == "sim":
+                if self._sim_config is not None:
+                    import msgspec
+
+                    sim_json = msgspec.json.encode(self._sim_config).decode()
+                else:
+                    sim_json = os.environ.get(SIM_ENV_VAR)
+            self.leases = Leases(self.backend, sim_json)
+        return self.leases
+
+    async def _take(
+        self,
+        control: GpuControl,
+        setting: Setting,
+        holder: str,
+        pid: int | None,
+        source: str,
+        read_original: Callable[[], float | None],
+    ) -> None:
+        uuid = control.describe().uuid if isinstance(control, Device) else f"index-{control.index}"
+        leases = self._leases()
+        await run_sync(
+            functools.partial(
+                leases.take,
+                uuid=uuid or f"index-{control.index}",
+                gpu=control.index,
+                setting=setting,
+                holder=holder,
+                read_original=read_original,
+                pid=pid,
+                source=source,
+            )
+        )
+
     async def set_power_limit(
-        self, watts: float, gpus: Sequence[int] | None = None, *, source: str = ""
+        self,
+        watts: float,
+        gpus: Sequence[int] | None = None,
+        *,
+        source: str = "",
+        holder: str = "",
+        pid: int | None = None,
     ) -> list[PowerLimitChange]:
         """Set the power limit of GPUs (all by default); returns the published changes.
 
@@ -434,17 +503,38 @@ class Runtime:
         event loop never wait on it. A :class:`~zeus_async.events.PowerLimitChange` event is
         published for every GPU whose limit was set, with ``source`` saying who asked.
 
+        The first change of a GPU's limit by ``holder`` takes a lease
+        (:mod:`zeus_async.agent.leases`): the limit in force is journalled (fsynced) before
+        the change, and put back by :meth:`release`, when the runtime stops, or — if this
+        process is killed — by the next runtime or agent to start on the node.
+
         Raises:
             NoPermissionError: The process may not change power limits.
             ConfigError: ``watts`` outside a GPU's range, or an unknown GPU index.
+            LeaseConflictError: Another holder holds the limit of one of the GPUs.
         """
+        if not (isinstance(watts, (int, float)) and math.isfinite(watts)):
+            raise ConfigError(f"power limit must be a finite number of watts, not {watts!r}")
         controls = self._gpu_controls(gpus)
         changes: list[PowerLimitChange] = []
         # One change at a time, in the order asked (callers from other threads start a task
         # per request; the lock is FIFO, so the last request is the limit left in force).
         async with self._control_lock:
             for control in controls:
+                lo, hi = await run_sync(control.power_limit_range_w)
+                if not lo <= watts <= hi:
+                    raise ConfigError(
+                        f"power limit {watts:g} W for gpu:{control.index} is outside the "
+                        f"supported range [{lo:g}, {hi:g}] W"
+                    )
+                await self._take(
+                    control, "power_limit", holder, pid, source, control.get_power_limit_w
+                )
                 changes.append(await self._set_one_limit(control, watts, source))
+                # Back to the value in force before the lease: nothing left to restore.
+                held = self._held(holder, [control], "power_limit")
+                if held and held[0].original_w == float(watts):
+                    await run_sync(self._leases().forget, held)
         return changes
 
     async def _set_one_limit(
@@ -464,19 +554,28 @@ class Runtime:
         return change
 
     async def set_sm_clocks(
-        self, mhz: float | None, gpus: Sequence[int] | None = None, *, source: str = ""
+        self,
+        mhz: float | None,
+        gpus: Sequence[int] | None = None,
+        *,
+        source: str = "",
+        holder: str = "",
+        pid: int | None = None,
     ) -> list[ClockChange]:
         """Lock the SM clock of GPUs (all by default) to ``mhz``, or reset it with ``None``.
 
         Like :meth:`set_power_limit`: NVML runs in a worker thread, requests are applied one
-        at a time in the order made, and a :class:`~zeus_async.events.ClockChange` is published
-        per GPU.
+        at a time in the order made, a :class:`~zeus_async.events.ClockChange` is published
+        per GPU, and the first lock takes a lease. A reset by the lease's holder ends it.
 
         Raises:
             NoPermissionError: The process may not change clocks.
             ConfigError: An invalid clock, or an unknown GPU index.
+            LeaseConflictError: Another holder holds the clocks of one of the GPUs.
         """
-        if mhz is not None and not (math.isfinite(mhz) and mhz > 0):
+        if mhz is not None and not (
+            isinstance(mhz, (int, float)) and math.isfinite(mhz) and mhz > 0
+        ):
             raise ConfigError(f"SM clock must be a positive number of MHz, not {mhz!r}")
         controls = self._gpu_controls(gpus)
         hz = None if mhz is None else float(mhz) * 1e6
@@ -484,20 +583,96 @@ class Runtime:
         async with self._control_lock:
             for control in controls:
                 if hz is None:
+                    held = self._held(holder, [control], "sm_clocks")
                     await run_sync(control.reset_sm_clocks)
+                    if held:
+                        await run_sync(self._leases().forget, held)
                 else:
+                    await self._take(control, "sm_clocks", holder, pid, source, lambda: None)
                     await run_sync(control.lock_sm_clocks_hz, hz, hz)
-                change = ClockChange(
-                    host=self.host,
-                    t_ns=self.clock.wall_ns(),
-                    gpu=control.index,
-                    min_hz=hz,
-                    max_hz=hz,
-                    source=source,
-                )
-                await self.publish(change)
-                changes.append(change)
+                changes.append(await self._publish_clock(control, hz, source))
         return changes
+
+    async def _publish_clock(
+        self, control: GpuControl, hz: float | None, source: str
+    ) -> ClockChange:
+        change = ClockChange(
+            host=self.host,
+            t_ns=self.clock.wall_ns(),
+            gpu=control.index,
+            min_hz=hz,
+            max_hz=hz,
+            source=source,
+        )
+        await self.publish(change)
+        return change
+
+    def _held(
+        self, holder: str | None, controls: Sequence[GpuControl] | None, setting: Setting | None
+    ) -> list[LeaseEntry]:
+        if self.leases is None:
+            return []
+        uuids = None
+        if controls is not None:
+            uuids = [c.describe().uuid for c in controls if isinstance(c, Device)]
+        return self.leases.held_by(holder, uuids, None if setting is None else [setting])
+
+    async def release(
+        self,
+        holder: str | None = "",
+        gpus: Sequence[int] | None = None,
+        setting: Setting | None = None,
+        *,
+        source: str = "restore",
+    ) -> list[Event]:
+        """End leases and put their settings back as they were before the first change.
+
+        Args:
+            holder: Whose leases (``None``: everyone's; ``""``: this process's own).
+            gpus: Which GPUs (default all).
+            setting: ``"power_limit"``, ``"sm_clocks"`` or ``None`` for both.
+            source: The ``source`` of the published change events.
+
+        Returns the change events published. A setting that cannot be restored stays in the
+        journal (and is logged): the next agent start retries it.
+        """
+        controls = self._gpu_controls(gpus) if gpus is not None else None
+        events: list[Event] = []
+        async with self._control_lock:
+            held = self._held(holder, controls, setting)
+            if not held:
+                return events
+            by_uuid = {d.describe().uuid: d for d in self.devices if isinstance(d, GpuControl)}
+            done: list[LeaseEntry] = []
+            from ..agent.leases import restore_entry
+
+            for entry in held:
+                control = by_uuid.get(entry.uuid)
+                if control is None:
+                    continue
+                try:
+                    if entry.setting == "power_limit":
+                        assert entry.original_w is not None
+                        events.append(await self._set_one_limit(control, entry.original_w, source))
+                    else:
+                        await run_sync(restore_entry, control, entry)
+                        events.append(await self._publish_clock(control, None, source))
+                except Exception:
+                    logger.exception("restoring %s of gpu:%d failed", entry.setting, entry.gpu)
+                else:
+                    done.append(entry)
+            await run_sync(self._leases().forget, done)
+        return events
+
+    async def _restore_all(self) -> None:
+        if self.leases is None or not self.leases.entries:
+            return
+        try:
+            await self.release(None)
+        except Exception:
+            logger.exception("restoring hardware settings at shutdown failed")
+        if self.leases.entries:
+            self.leases.close()
 
     def _gpu_controls(self, gpus: Sequence[int] | None) -> list[GpuControl]:
         controls = {d.index: d for d in self.devices if isinstance(d, GpuControl)}
@@ -536,7 +711,13 @@ class Runtime:
         handle.result = self.tracker.close(name)
 
     def start_consumer(
-        self, consumer: Consumer, *, max_buffer: int = 4096, batched: bool = False
+        self,
+        consumer: Consumer,
+        *,
+        max_buffer: int = 4096,
+        batched: bool = False,
+        isolate: str | None = None,
+        stall_s: float = 10.0,
     ) -> None:
         """Run ``consumer(stream)`` as a task of the runtime.
 
@@ -545,6 +726,13 @@ class Runtime:
         events (for consumers that handle events in bulk, such as the recorder).
         At shutdown the stream ends after the last event and the runtime waits (up to
         ``shutdown_timeout_s``) for the consumer to return, so nothing buffered is lost.
+
+        With ``isolate`` (a name, e.g. ``"recorder"``), the consumer's failure does not stop
+        the runtime: an exception it raises (a full disk, an unwritable path) is logged and
+        published as a :class:`~zeus_async.events.DeviceFault` (device ``consumer:<name>``,
+        kind ``consumer_failed``), and a consumer whose buffer stays full for ``stall_s``
+        seconds (a hung file system) is detached (kind ``consumer_stalled``): sampling,
+        windows and the other consumers go on without it.
         """
         if self._tg is None:
             raise RuntimeError("start_consumer() needs an entered runtime")
@@ -562,10 +750,67 @@ class Runtime:
             try:
                 with scope:
                     async with stream:
-                        await consumer(stream)
+                        if isolate is None:
+                            await consumer(stream)
+                            return
+                        watchdog = anyio.CancelScope()
+                        assert self._tg is not None
+                        self._tg.start_soon(self._watch_stall, stream, isolate, stall_s, watchdog)
+                        try:
+                            await consumer(stream)
+                        except Exception as exc:
+                            self._consumer_fault(isolate, "consumer_failed", exc)
+                        finally:
+                            watchdog.cancel()
             finally:
                 self._consumers_running -= 1
                 if self._consumers_running == 0:
                     self._consumers_done.set()
 
         self._tg.start_soon(run)
+
+    def _consumer_fault(self, name: str, kind: str, exc: BaseException | str) -> None:
+        text = f"{name} failed: {exc}" if kind == "consumer_failed" else str(exc)
+        logger.error("%s; sampling, windows and restores go on without it", text)
+        self.publish_nowait(
+            DeviceFault(
+                host=self.host,
+                t_ns=self.clock.wall_ns(),
+                device=f"consumer:{name}",
+                kind=kind,
+                message=text,
+            )
+        )
+
+    async def _watch_stall(
+        self,
+        stream: ObjectReceiveStream[Event] | EventBatches,
+        name: str,
+        stall_s: float,
+        scope: anyio.CancelScope,
+    ) -> None:
+        """Detach ``stream`` once it has stayed full for ``stall_s`` (its consumer hung)."""
+
+        def full() -> bool:
+            if isinstance(stream, EventBatches):
+                return stream.pending >= stream.max_buffer
+            if isinstance(stream, MemoryObjectReceiveStream):
+                stats = stream.statistics()
+                return bool(stats.current_buffer_used >= stats.max_buffer_size)
+            return False
+
+        step = min(1.0, stall_s / 4)
+        with scope:
+            full_for = 0.0
+            while True:
+                await anyio.sleep(step)
+                full_for = full_for + step if full() else 0.0
+                if full_for >= stall_s:
+                    break
+            self._consumer_fault(
+                name,
+                "consumer_stalled",
+                f"{name} has not taken an event for {stall_s:g} s (its target stalled?); "
+                "detached, what it had not written is lost",
+            )
+            await stream.aclose()

@@ -36,13 +36,23 @@ from typing import Any, Literal
 import msgspec
 import zmq
 
-from .. import errors
+from .._paths import private_dir
+from ..agent.protocol import (
+    AgentConfig,
+    Bye,
+    Control,
+    ControlOp,
+    Edge,
+    Hello,
+    Reply,
+    error_from_reply,
+)
 from ..aggregate.windows import WindowResult
 from ..errors import ConfigError
 from ..events import DeviceInfo, Event, Measurement
 from .processes import ProcessTracking
 
-__all__ = ["SamplerProcess"]
+__all__ = ["Edge", "SamplerProcess"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,107 +61,34 @@ logger = logging.getLogger(__name__)
 _IDLE_WAKE_S = 0.1
 
 
-class ChildConfig(msgspec.Struct, frozen=True):
-    """Settings handed to the child process (JSON on its command line)."""
-
-    edges: str
-    replies: str
-    backend: str = "auto"
-    gpus: list[int] | None = None
-    cpus: list[int] | None = None
-    period_s: float = 0.01
-    fields: dict[str, float | None] | None = None
-    adaptive_reads: bool = False
-    publish: str | None = None
-    log_file: str | None = None
-    finalize_timeout_s: float = 0.5
-    sim_config: str | None = None
-    parent_pid: int = 0
-    record: str | None = None
-    processes: ProcessTracking | None = None
-    meta: dict[str, str] = {}
-    prometheus_port: int | None = None
-    prometheus_addr: str = "127.0.0.1"
-
-
-class Edge(msgspec.Struct, tag="edge", array_like=True):
-    """A window edge, parent to child."""
-
-    open: bool
-    name: str
-    id: int
-    t_ns: int
-    restart: bool = False
-    cancel: bool = False
-
-
-class Stop(msgspec.Struct, tag="stop", array_like=True):
-    """Parent to child: finalize pending windows and exit."""
-
-
-ControlOp = Literal["set_power_limit", "set_sm_clocks", "publish"]
-
-
-class Control(msgspec.Struct, tag="control", array_like=True):
-    """Parent to child: act on the devices or the stream; answered by a ``control`` reply.
-
-    ``op`` is ``set_power_limit`` (``watts`` on ``gpus``, all when ``None``), ``set_sm_clocks``
-    (``mhz`` on ``gpus``; ``None`` resets) or ``publish`` (``event`` published on the child's
-    hub).
-    """
-
-    seq: int
-    op: ControlOp
-    watts: float = 0.0
-    gpus: list[int] | None = None
-    source: str = ""
-    event: Event | None = None
-    mhz: float | None = None
-
-
-class Reply(msgspec.Struct, omit_defaults=True):
-    """Child to parent."""
-
-    kind: Literal["ready", "measurement", "error", "control"]
-    gpus: list[int] = []
-    cpus: list[int] = []
-    backend: str = ""
-    endpoint: str | None = None
-    measurement: Measurement | None = None
-    message: str = ""
-    seq: int = 0
-    error_type: str = ""
-    devices: list[DeviceInfo] = []
-    prometheus_port: int | None = None
-
-
-def control_error(error_type: str, message: str) -> Exception:
-    """The exception a failed control reply stands for (typed where it is one of ours)."""
-    cls = getattr(errors, error_type, None)
-    if isinstance(cls, type) and issubclass(cls, errors.ZeusAsyncError):
-        return cls(message)
-    return RuntimeError(f"{error_type}: {message}" if error_type else message)
-
-
 class SamplerProcess:
-    """A runtime with measurement windows, running in a child process.
+    """A runtime with measurement windows in an agent process: a private one it starts, or a
+    node agent it attaches to (:mod:`zeus_async.agent`).
 
     Args:
         backend, gpus, cpus, period_s, fields, adaptive_reads, publish, finalize_timeout_s: As for
             :class:`~zeus_async.runtime.Runtime`.
-        log_file: Window log written by the child (CSV or JSON lines).
+        log_file: Window log written by the agent (CSV or JSON lines).
         sim_config: A :class:`~zeus_async.devices.sim.SimConfig` for the ``sim`` backend.
-        start_timeout_s: How long to wait for the child to be sampling.
-        record: Recording file written by the child (every event, lossless).
+        start_timeout_s: How long to wait for the agent to be sampling.
+        record: Recording file written by the agent (every event, lossless).
         processes: Process tracking; by default the tree of *this* (the parent) process,
-            without the sampler process itself.
+            without the agent itself.
         meta: Run metadata (recording header, stream info).
-        prometheus_port: Serve a Prometheus endpoint from the child on this port (0: any
+        prometheus_port: Serve a Prometheus endpoint from the agent on this port (0: any
             free port; :attr:`prometheus_port` then says which).
         prometheus_addr: Address the Prometheus endpoint binds.
+        attach: The endpoint of a running agent to use instead of starting a private one
+            (the sampling options above are then the agent's; only ``start_timeout_s``
+            applies).
+        name: This client's name on a node agent (window names are published as
+            ``<name>/<window>``); default ``rank<RANK>`` under torchrun, else ``pid<pid>``.
 
     Raises:
-        RuntimeError: The child failed to start (its error output is in the message).
+        ConfigError, NoPermissionError, FileNotFoundError, ...: The agent could not start;
+            the same type it failed with there.
+        RuntimeError: The agent process died while starting (its error output is in the
+            message), or did not answer within ``start_timeout_s``.
     """
 
     def __init__(
@@ -173,6 +110,8 @@ class SamplerProcess:
         meta: Mapping[str, str] | None = None,
         prometheus_port: int | None = None,
         prometheus_addr: str = "127.0.0.1",
+        attach: str | None = None,
+        name: str = "",
     ) -> None:
         if not period_s > 0:
             raise ConfigError(f"period_s must be positive, got {period_s!r}")
@@ -180,13 +119,10 @@ class SamplerProcess:
             processes = msgspec.structs.replace(processes, root=os.getpid())
         self._dir = tempfile.mkdtemp(prefix="zeus-async-")
         self._ctx = zmq.Context()
-        self._edges = self._ctx.socket(zmq.PUSH)
-        self._edges.bind(f"ipc://{self._dir}/edges")
-        self._replies = self._ctx.socket(zmq.PULL)
-        self._replies.bind(f"ipc://{self._dir}/replies")
+        self._sock = self._ctx.socket(zmq.DEALER)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(Reply)
-        # Edges go through this queue; the I/O thread sends them (it alone owns the sockets).
+        # Edges go through this queue; the I/O thread sends them (it alone owns the socket).
         self._outbox: collections.deque[bytes] = collections.deque()
         # Written to wake the I/O thread (one byte per wake-up, see _wake).
         self._wake_r, self._wake_w = os.pipe()
@@ -204,37 +140,56 @@ class SamplerProcess:
         # the code it interrupted on this thread holds the lock.
         self._pending_lock = threading.RLock()
         self._stopped = False
+        self._bye = threading.Event()
         self._failure: str | None = None
-        sim_json = None
-        if sim_config is not None:
-            sim_json = msgspec.json.encode(sim_config).decode()
-        cfg = ChildConfig(
-            edges=f"ipc://{self._dir}/edges",
-            replies=f"ipc://{self._dir}/replies",
-            backend=backend,
-            gpus=list(gpus) if gpus is not None else None,
-            cpus=list(cpus) if cpus is not None else None,
-            period_s=period_s,
-            fields=dict(fields) if fields is not None else None,
-            adaptive_reads=adaptive_reads,
-            publish=publish,
-            log_file=os.fspath(log_file) if log_file is not None else None,
-            finalize_timeout_s=finalize_timeout_s,
-            sim_config=sim_json,
-            parent_pid=os.getpid(),
-            record=os.fspath(record) if record is not None else None,
-            processes=processes,
-            meta=dict(meta or {}),
-            prometheus_port=prometheus_port,
-            prometheus_addr=prometheus_addr,
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.attached = attach is not None
+        if attach is None:
+            endpoint = f"ipc://{private_dir()}/a-{os.getpid()}-{os.urandom(4).hex()}.sock"
+            sim_json = None
+            if sim_config is not None:
+                sim_json = msgspec.json.encode(sim_config).decode()
+            cfg = AgentConfig(
+                endpoint=endpoint,
+                backend=backend,
+                gpus=list(gpus) if gpus is not None else None,
+                cpus=list(cpus) if cpus is not None else None,
+                period_s=period_s,
+                fields=dict(fields) if fields is not None else None,
+                adaptive_reads=adaptive_reads,
+                publish=publish,
+                log_file=os.fspath(log_file) if log_file is not None else None,
+                finalize_timeout_s=finalize_timeout_s,
+                sim_config=sim_json,
+                owner_pid=os.getpid(),
+                record=os.fspath(record) if record is not None else None,
+                processes=processes,
+                meta=dict(meta or {}),
+                prometheus_port=prometheus_port,
+                prometheus_addr=prometheus_addr,
+            )
+            self._stderr = open(os.path.join(self._dir, "stderr"), "w+b")  # noqa: SIM115
+            # Its own session: a Ctrl-C in the terminal or a SIGTERM to this job's process
+            # group reaches only us; we then close it (restoring), or it sees us gone.
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "zeus_async.agent.server", msgspec.json.encode(cfg)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=self._stderr,
+                start_new_session=True,
+            )
+        else:
+            endpoint = attach
+            self._stderr = open(os.devnull, "w+b")  # noqa: SIM115
+        #: The agent's endpoint.
+        self.agent_endpoint = endpoint
+        self._sock.connect(endpoint)
+        hello = Hello(
+            os.getpid(),
+            name or _default_name(),
+            os.environ.get("CUDA_VISIBLE_DEVICES") if attach is not None else None,
         )
-        self._stderr = open(os.path.join(self._dir, "stderr"), "w+b")  # noqa: SIM115
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "zeus_async.runtime._sampler_child", msgspec.json.encode(cfg)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=self._stderr,
-        )
+        self._sock.send(self._enc.encode(hello))
         try:
             ready = self._wait_ready(start_timeout_s)
         except BaseException:
@@ -247,6 +202,13 @@ class SamplerProcess:
         self.endpoint = ready.endpoint
         self.devices: list[DeviceInfo] = ready.devices
         self.prometheus_port: int | None = ready.prometheus_port
+        # Attached to a node agent, whose measurements cover every GPU this process sees:
+        # keep the ones asked for.
+        self._only: set[int] | None = None
+        if attach is not None and gpus is not None:
+            self._only = set(gpus)
+            self.gpu_indices = [g for g in self.gpu_indices if g in self._only]
+            self.devices = [d for d in self.devices if int(d.key[4:]) in self._only]
         self._reader = threading.Thread(
             target=self._read_replies, name="zeus-async-sampler-io", daemon=True
         )
@@ -258,18 +220,19 @@ class SamplerProcess:
         self._stderr.flush()
         self._stderr.seek(0)
         text = self._stderr.read().decode(errors="replace").strip()
-        return text[-2000:] or f"exit code {self._proc.poll()}"
+        code = self._proc.poll() if self._proc is not None else None
+        return text[-2000:] or f"exit code {code}"
 
     def _wait_ready(self, timeout_s: float) -> Reply:
         waited = 0.0
         while waited < timeout_s:
-            if self._replies.poll(100):
-                reply = self._dec.decode(self._replies.recv())
+            if self._sock.poll(100):
+                reply = self._dec.decode(self._sock.recv())
                 if reply.kind == "ready":
                     return reply
                 if reply.kind == "error":
-                    raise RuntimeError(f"sampler process failed: {reply.message}")
-            if self._proc.poll() is not None:
+                    raise error_from_reply(reply)
+            if self._proc is not None and self._proc.poll() is not None:
                 raise RuntimeError(f"sampler process exited: {self._child_error()}")
             waited += 0.1
         raise RuntimeError(f"sampler process not ready within {timeout_s:g} s")
@@ -326,6 +289,7 @@ class SamplerProcess:
         gpus: Sequence[int] | None = None,
         source: str = "",
         event: Event | None = None,
+        setting: Literal["power_limit", "sm_clocks"] | None = None,
     ) -> Future[Any]:
         """Ask the child to act (see :class:`Control`); returns at once with a future.
 
@@ -348,6 +312,7 @@ class SamplerProcess:
             source=source,
             event=event,
             mhz=mhz,
+            setting=setting,
         )
         self._outbox.append(self._enc.encode(msg))
         self._wake()
@@ -357,7 +322,7 @@ class SamplerProcess:
         outbox = self._outbox
         while outbox:
             try:
-                self._edges.send(outbox[0], zmq.NOBLOCK)
+                self._sock.send(outbox[0], zmq.NOBLOCK)
             except zmq.Again:
                 return  # child busy: retry on the next turn
             outbox.popleft()
@@ -365,7 +330,7 @@ class SamplerProcess:
     def _read_replies(self) -> None:
         # Replies wake the thread only while someone waits for one (see the module docstring).
         urgent = zmq.Poller()
-        urgent.register(self._replies, zmq.POLLIN)
+        urgent.register(self._sock, zmq.POLLIN)
         urgent.register(self._wake_r, zmq.POLLIN)
         relaxed = zmq.Poller()
         relaxed.register(self._wake_r, zmq.POLLIN)
@@ -390,6 +355,11 @@ class SamplerProcess:
                     pass
             if ready and not self._stopped:
                 continue
+            if self._proc is None:  # attached to an agent that is not our child
+                if self._stopped and self._bye.is_set():
+                    self._fail_all("the monitor was closed before this window was measured")
+                    return
+                continue
             if self._proc.poll() is not None:
                 self._drain_replies()  # its last replies (a stop finalizes every window)
                 if not self._stopped:
@@ -405,12 +375,14 @@ class SamplerProcess:
         """
         while True:
             try:
-                reply = self._dec.decode(self._replies.recv(zmq.NOBLOCK))
+                reply = self._dec.decode(self._sock.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return True
             except (zmq.ZMQError, msgspec.DecodeError):
                 return False
             if reply.kind == "measurement" and reply.measurement is not None:
+                if self._only is not None:
+                    reply.measurement = _only_gpus(reply.measurement, self._only)
                 with self._pending_lock:
                     result = self._pending.pop(reply.measurement.window_id, None)
                     self._hurried.discard(reply.measurement.window_id)
@@ -421,11 +393,13 @@ class SamplerProcess:
                     future = self._controls.pop(reply.seq, None)
                 if future is not None:
                     if reply.error_type or reply.message:
-                        future.set_exception(control_error(reply.error_type, reply.message))
+                        future.set_exception(error_from_reply(reply))
                     else:
                         future.set_result(None)
+            elif reply.kind == "bye":
+                self._bye.set()
             elif reply.kind == "error":
-                self._fail_all(f"sampler process failed: {reply.message}")
+                self._fail_all(f"sampler process failed: {error_from_reply(reply)!r}")
 
     def _fail_all(self, message: str) -> None:
         with self._pending_lock:
@@ -444,33 +418,54 @@ class SamplerProcess:
     # -- shutdown ---------------------------------------------------------------------------------
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Ask the child to finalize pending windows and exit; kill it if it does not."""
+        """Say goodbye: the agent finalizes pending windows and restores what this client
+        changed (a private agent then exits; it is killed if it does not)."""
         if self._stopped:
             return
         self._stopped = True
-        self._outbox.append(self._enc.encode(Stop()))
+        self._outbox.append(self._enc.encode(Bye()))
         self._wake()
-        try:
-            self._proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("sampler process did not stop within %.0f s; killing it", timeout_s)
-            self._kill()
+        if self._proc is None:
+            # The I/O thread reads the agent's last replies, then its goodbye.
+            if not self._bye.wait(timeout_s):
+                logger.warning("the agent did not answer goodbye within %.0f s", timeout_s)
+                self._bye.set()
+        else:
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("sampler process did not stop within %.0f s; killing it", timeout_s)
+                self._kill()
         self._woken = False  # one more wake-up, even if stop's own is still unread:
-        self._wake()  # the I/O thread sees that the child is gone, and ends
+        self._wake()  # the I/O thread sees that the agent is gone, and ends
         self._reader.join(timeout=5)
         self._cleanup()
 
     def _kill(self) -> None:
-        if self._proc.poll() is None:
+        if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
 
     def _cleanup(self) -> None:
-        self._edges.close(linger=0)
-        self._replies.close(linger=0)
+        self._sock.close(linger=0)
         self._ctx.term()
         self._stderr.close()
         self._woken = True  # no more wake-ups: the descriptors below may be reused
         os.close(self._wake_r)
         os.close(self._wake_w)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _default_name() -> str:
+    rank = os.environ.get("RANK")
+    return f"rank{rank}" if rank is not None else f"pid{os.getpid()}"
+
+
+def _only_gpus(m: Measurement, gpus: set[int]) -> Measurement:
+    return msgspec.structs.replace(
+        m,
+        gpu_energy_j={g: e for g, e in m.gpu_energy_j.items() if g in gpus},
+        methods={
+            k: v for k, v in m.methods.items() if not k.startswith("gpu:") or int(k[4:]) in gpus
+        },
+    )

@@ -332,6 +332,10 @@ class PipelineFrequencyOptimizer(ClosedOnExit):
         if restore_on_signals:
             self._signals.install()
         call_at_exit(self.close)
+        # Closing the monitor first closes this (its restores go through the monitor).
+        on_close = getattr(self.monitor, "on_close", None)
+        if on_close is not None:
+            on_close(self.close)
 
     def _start(
         self,

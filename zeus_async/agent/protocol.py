@@ -1,0 +1,176 @@
+"""Messages between an agent and its clients (msgpack over a local ZeroMQ socket).
+
+The agent binds a ROUTER socket (an ipc path in the private directory), each client connects
+a DEALER. A client's first message is :class:`Hello`; then window edges (:class:`Edge`),
+requests (:class:`Control`) and finally :class:`Bye`. The agent answers with :class:`Reply`.
+Not a public interface: both ends come from the same installed package.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import msgspec
+
+from .. import errors
+from ..events import DeviceInfo, Event, Measurement
+from ..runtime.processes import ProcessTracking
+
+__all__ = [
+    "AgentConfig",
+    "Bye",
+    "Control",
+    "ControlOp",
+    "Edge",
+    "Hello",
+    "Reply",
+    "error_from_reply",
+    "error_reply_fields",
+]
+
+
+class AgentConfig(msgspec.Struct, frozen=True):
+    """Settings of an agent process (JSON on its command line).
+
+    ``owner_pid`` makes it a *private* agent: it serves that one process, exits when that
+    process is gone, and keeps window names as they are. Without one it is a *node* agent
+    (``zeus-async agent``): any number of clients, window names published as
+    ``<client>/<name>``, and ``exit_when_idle_s`` (when set) ends it that long after its last
+    client left.
+    """
+
+    endpoint: str
+    backend: str = "auto"
+    gpus: list[int] | None = None
+    cpus: list[int] | None = None
+    period_s: float = 0.01
+    fields: dict[str, float | None] | None = None
+    adaptive_reads: bool = False
+    publish: str | None = None
+    log_file: str | None = None
+    finalize_timeout_s: float = 0.5
+    sim_config: str | None = None
+    owner_pid: int = 0
+    record: str | None = None
+    processes: ProcessTracking | None = None
+    meta: dict[str, str] = {}
+    prometheus_port: int | None = None
+    prometheus_addr: str = "127.0.0.1"
+    exit_when_idle_s: float | None = None
+    #: Hold the node lock (``agent.lock``): exit with code 3 if another node agent holds it.
+    node: bool = False
+
+
+class Hello(msgspec.Struct, tag="hello", array_like=True):
+    """Client to agent, first: who the client is and which GPUs it means."""
+
+    pid: int
+    name: str = ""
+    #: The client's ``CUDA_VISIBLE_DEVICES`` (``None``: unset), so its GPU indices can be
+    #: mapped onto the agent's.
+    cuda_visible: str | None = None
+
+
+class Edge(msgspec.Struct, tag="edge", array_like=True):
+    """A window edge, client to agent."""
+
+    open: bool
+    name: str
+    id: int
+    t_ns: int
+    restart: bool = False
+    cancel: bool = False
+
+
+class Bye(msgspec.Struct, tag="stop", array_like=True):
+    """Client to agent: finalize my windows, release my leases, forget me (a private agent
+    then exits)."""
+
+
+ControlOp = Literal["set_power_limit", "set_sm_clocks", "publish", "release"]
+
+
+class Control(msgspec.Struct, tag="control", array_like=True):
+    """Client to agent: act on the devices or the stream; answered by a ``control`` reply.
+
+    ``op`` is ``set_power_limit`` (``watts`` on ``gpus``, all when ``None``), ``set_sm_clocks``
+    (``mhz`` on ``gpus``; ``None`` resets), ``release`` (put back what this client changed on
+    ``gpus``; ``setting`` narrows it) or ``publish`` (``event`` published on the agent's hub).
+    """
+
+    seq: int
+    op: ControlOp
+    watts: float = 0.0
+    gpus: list[int] | None = None
+    source: str = ""
+    event: Event | None = None
+    mhz: float | None = None
+    setting: Literal["power_limit", "sm_clocks"] | None = None
+
+
+class Reply(msgspec.Struct, omit_defaults=True):
+    """Agent to client."""
+
+    kind: Literal["ready", "measurement", "error", "control", "bye"]
+    gpus: list[int] = []
+    cpus: list[int] = []
+    backend: str = ""
+    endpoint: str | None = None
+    measurement: Measurement | None = None
+    message: str = ""
+    seq: int = 0
+    error_type: str = ""
+    devices: list[DeviceInfo] = []
+    prometheus_port: int | None = None
+    #: For ``error`` replies about a path: the path (``FileNotFoundError`` and friends).
+    filename: str | None = None
+    errno: int | None = None
+
+
+_BUILTIN_ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (
+        ValueError,
+        TypeError,
+        KeyError,
+        OSError,
+        FileNotFoundError,
+        FileExistsError,
+        PermissionError,
+        IsADirectoryError,
+        NotADirectoryError,
+        TimeoutError,
+    )
+}
+
+
+def error_reply_fields(exc: BaseException) -> dict[str, object]:
+    """What a reply carries of ``exc`` so the client can raise the same type."""
+    fields: dict[str, object] = {
+        "error_type": type(exc).__name__,
+        "message": str(exc) if not isinstance(exc, OSError) else (exc.strerror or str(exc)),
+    }
+    if isinstance(exc, OSError):
+        fields["errno"] = exc.errno
+        if exc.filename is not None:
+            fields["filename"] = os.fsdecode(exc.filename)
+    return fields
+
+
+def error_from_reply(reply: Reply, context: str = "") -> Exception:
+    """The exception a failed reply stands for, of the type raised in the agent where that
+    type is one of ours or a built-in one (``ConfigError``, ``NoPermissionError``,
+    ``FileNotFoundError`` naming the path, ...); else a ``RuntimeError``."""
+    name, message = reply.error_type, reply.message
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, errors.ZeusAsyncError):
+        return cls(f"{context}{message}")
+    builtin = _BUILTIN_ERRORS.get(name)
+    if builtin is not None and issubclass(builtin, OSError):
+        if reply.errno is not None:
+            return builtin(reply.errno, f"{context}{message}", reply.filename)
+        return builtin(f"{context}{message}")
+    if builtin is not None:
+        return builtin(f"{context}{message}")
+    return RuntimeError(f"{context}{name}: {message}" if name else f"{context}{message}")

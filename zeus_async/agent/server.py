@@ -1,0 +1,473 @@
+"""The agent process: owns the devices, samples each once, serves local clients.
+
+``python -m zeus_async.agent.server CONFIG_JSON`` (what :class:`~zeus_async.runtime.
+SamplerProcess` starts) or ``zeus-async agent`` (a node agent run by an operator or by the
+first rank of a job). It runs one :class:`~zeus_async.runtime.Runtime` with measurement
+windows and answers clients on a ROUTER socket (:mod:`.protocol`):
+
+* window edges are stamped by the client; the agent measures them on its histories and sends
+  each result back to the client that opened the window;
+* power-limit and clock changes go through the runtime's leases: journalled before they are
+  applied, put back when the client releases them, says goodbye, or dies (its pid is watched);
+* SIGINT, SIGTERM and SIGHUP stop the agent in order: every lease is restored first. A private
+  agent runs in its own session, so a Ctrl-C in the terminal or a SIGTERM to the job's process
+  group reaches only its owner, which then closes it; if the owner dies without doing so, the
+  agent notices within ``_WATCH_S``, restores and exits;
+* outputs (recording, window log) are isolated: a full disk or a hung file system ends that
+  output with a fault event and a warning, never the sampling or the restores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import itertools
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import msgspec
+import psutil
+import zmq
+import zmq.asyncio
+
+from .._paths import private_dir
+from ..errors import ConfigError, sole_exception
+from ..events import Measurement
+from ..runtime.runtime import Runtime
+from .protocol import AgentConfig, Bye, Control, Edge, Hello, Reply, error_reply_fields
+
+__all__ = ["EXIT_AGENT_RUNNING", "NODE_LOCK", "NODE_SOCKET", "node_agent_running", "run_agent"]
+
+logger = logging.getLogger(__name__)
+
+#: How often client and owner processes are checked for life (seconds).
+_WATCH_S = 0.2
+#: Exit code of a node agent that found another node agent running.
+EXIT_AGENT_RUNNING = 3
+#: Names in the private directory: the node agent's socket and the lock it holds.
+NODE_SOCKET = "agent.sock"
+NODE_LOCK = "agent.lock"
+
+
+def node_agent_running() -> bool:
+    """Whether a node agent holds the node lock (cheap: one ``flock`` probe)."""
+    path = private_dir() / NODE_LOCK
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+@contextlib.contextmanager
+def _node_lock() -> Iterator[bool]:
+    fd = os.open(private_dir() / NODE_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+class _Client:
+    __slots__ = ("create_time", "ident", "label", "log", "name", "pid", "visible")
+
+    def __init__(self, ident: bytes, hello: Hello, visible: list[int] | None) -> None:
+        self.ident = ident
+        self.pid = hello.pid
+        self.name = hello.name or f"pid{hello.pid}"
+        self.label = f"{self.name} (pid {hello.pid})"
+        try:
+            self.create_time: float | None = psutil.Process(hello.pid).create_time()
+        except psutil.Error:
+            self.create_time = None
+        # The client's GPU i is the agent's GPU visible[i] (None: the same indices).
+        self.visible = visible
+
+    def alive(self) -> bool:
+        try:
+            return psutil.Process(self.pid).create_time() == self.create_time
+        except psutil.Error:
+            return False
+
+    def to_agent(self, gpus: list[int] | None) -> list[int] | None:
+        if gpus is None:
+            return None if self.visible is None else list(self.visible)
+        if self.visible is None:
+            return list(gpus)
+        out = []
+        for g in gpus:
+            if not 0 <= g < len(self.visible):
+                raise ConfigError(
+                    f"GPU index {g} out of range: {len(self.visible)} GPU(s) visible to this "
+                    "process (CUDA_VISIBLE_DEVICES applies)"
+                )
+            out.append(self.visible[g])
+        return out
+
+    def to_client(self, m: Measurement) -> Measurement:
+        if self.visible is None:
+            return m
+        back = {agent: mine for mine, agent in enumerate(self.visible)}
+        return msgspec.structs.replace(
+            m,
+            gpu_energy_j={back[g]: e for g, e in m.gpu_energy_j.items() if g in back},
+            methods={
+                (f"gpu:{back[int(k[4:])]}" if k.startswith("gpu:") else k): v
+                for k, v in m.methods.items()
+                if not k.startswith("gpu:") or int(k[4:]) in back
+            },
+        )
+
+
+class Agent:
+    """One agent's state: its runtime, clients and windows (see the module docstring)."""
+
+    def __init__(self, cfg: AgentConfig, rt: Runtime, router: Any) -> None:
+        self.cfg = cfg
+        self.rt = rt
+        self.router = router
+        self.private = cfg.owner_pid != 0
+        self.clients: dict[bytes, _Client] = {}
+        # Agent-side window id -> (client ident, client's window id, client's name).
+        self.windows: dict[int, tuple[bytes, int, str]] = {}
+        self._ids = itertools.count(1)
+        self.enc = msgspec.msgpack.Encoder()
+        self.idle_since = anyio.current_time()
+        self.stopping = anyio.Event()
+
+    def send(self, ident: bytes, reply: Reply) -> None:
+        try:
+            self.router.send_multipart([ident, self.enc.encode(reply)], zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("a client is not reading replies; dropped one")
+        except zmq.ZMQError as exc:
+            logger.debug("reply not sent: %s", exc)
+
+    def key(self, client: _Client, name: str) -> str:
+        return name if self.private else f"{client.name}/{name}"
+
+    def on_result(self, m: Measurement) -> None:
+        entry = self.windows.pop(m.window_id, None)
+        if entry is None:
+            return
+        ident, window_id, name = entry
+        client = self.clients.get(ident)
+        if client is None:
+            return
+        m = client.to_client(msgspec.structs.replace(m, window_id=window_id, name=name))
+        self.send(ident, Reply(kind="measurement", measurement=m))
+
+    # -- clients ----------------------------------------------------------------------------
+
+    def hello(self, ident: bytes, hello: Hello) -> None:
+        visible = None
+        if not self.private:
+            visible = self._visible_for(hello.cuda_visible)
+        client = _Client(ident, hello, visible)
+        self.clients[ident] = client
+        tracker = self.rt.tracker
+        assert tracker is not None
+        gpus = sorted(tracker.gpu_indices)
+        devices = [d.describe() for d in self.rt.devices if d.key.startswith("gpu:")]
+        if visible is not None:
+            gpus = list(range(len(visible)))
+            by_key = {d.key: d for d in devices}
+            devices = [
+                msgspec.structs.replace(by_key[f"gpu:{a}"], key=f"gpu:{i}")
+                for i, a in enumerate(visible)
+                if f"gpu:{a}" in by_key
+            ]
+        endpoint = self.rt.publisher.endpoint if self.rt.publisher is not None else None
+        self.send(
+            ident,
+            Reply(
+                kind="ready",
+                gpus=gpus,
+                cpus=sorted(tracker.cpu_packages),
+                backend=self.rt.backend,
+                endpoint=endpoint,
+                devices=devices,
+                prometheus_port=self.rt.prometheus_port,
+            ),
+        )
+        logger.info("client %s attached", client.label)
+
+    def _visible_for(self, cuda_visible: str | None) -> list[int] | None:
+        if cuda_visible is None:
+            return None
+        from ..devices.nvml_visible import parse_cuda_visible_devices
+
+        devices = [d.describe() for d in self.rt.devices if d.key.startswith("gpu:")]
+        uuids = [d.uuid for d in devices]
+        return list(parse_cuda_visible_devices(cuda_visible, len(uuids), uuids))
+
+    async def goodbye(self, ident: bytes, *, dead: bool = False) -> None:
+        client = self.clients.get(ident)
+        if client is None:
+            return
+        tracker = self.rt.tracker
+        assert tracker is not None
+        prefix = "" if self.private else f"{client.name}/"
+        for name in tracker.open_windows:
+            if name.startswith(prefix):
+                with contextlib.suppress(ValueError):
+                    tracker.close(name, cancel=True)
+        for agent_id, (owner, _, _) in list(self.windows.items()):
+            if owner == ident:
+                tracker.finalize(agent_id)  # resolves through on_result while still known
+        released = await self.rt.release(client.label, source=f"restore: {client.label} left")
+        if dead and released:
+            logger.warning(
+                "client %s died; restored %d setting(s) it had changed", client.label, len(released)
+            )
+        del self.clients[ident]
+        if not dead:
+            self.send(ident, Reply(kind="bye"))
+        if not self.clients:
+            self.idle_since = anyio.current_time()
+        logger.info("client %s %s", client.label, "died" if dead else "left")
+
+    async def control(self, ident: bytes, msg: Control) -> None:
+        client = self.clients.get(ident)
+        if client is None:
+            return
+        try:
+            gpus = client.to_agent(msg.gpus)
+            if msg.op == "set_power_limit":
+                await self.rt.set_power_limit(
+                    msg.watts, gpus, source=msg.source, holder=client.label, pid=client.pid
+                )
+            elif msg.op == "set_sm_clocks":
+                await self.rt.set_sm_clocks(
+                    msg.mhz, gpus, source=msg.source, holder=client.label, pid=client.pid
+                )
+            elif msg.op == "release":
+                await self.rt.release(client.label, gpus, msg.setting, source=msg.source)
+            elif msg.event is not None:
+                await self.rt.publish(msg.event)
+        except Exception as exc:
+            self.send(ident, Reply(kind="control", seq=msg.seq, **error_reply_fields(exc)))  # type: ignore[arg-type]
+        else:
+            self.send(ident, Reply(kind="control", seq=msg.seq))
+
+    def edge(self, ident: bytes, msg: Edge) -> None:
+        client = self.clients.get(ident)
+        tracker = self.rt.tracker
+        if client is None or tracker is None:
+            return
+        key = self.key(client, msg.name)
+        try:
+            if msg.open:
+                agent_id = next(self._ids)
+                tracker.open(key, restart=msg.restart, t_ns=msg.t_ns, window_id=agent_id)
+                self.windows[agent_id] = (ident, msg.id, msg.name)
+            else:
+                result = tracker.close(key, cancel=msg.cancel, t_ns=msg.t_ns)
+                if msg.cancel:
+                    self.windows.pop(result.window_id, None)
+        except ValueError as exc:  # the client keeps the books; this is a bug
+            logger.error("bad window edge from %s %r: %s", client.label, msg, exc)
+
+    async def watch(self) -> None:
+        """Notice dead clients (and a dead owner) and clean up after them."""
+        while True:
+            await anyio.sleep(_WATCH_S)
+            if self.private and not psutil.pid_exists(self.cfg.owner_pid):
+                logger.warning(
+                    "owner process %d is gone; restoring and stopping", self.cfg.owner_pid
+                )
+                self.stopping.set()
+                return
+            for ident, client in list(self.clients.items()):
+                if not client.alive():
+                    await self.goodbye(ident, dead=True)
+            idle = self.cfg.exit_when_idle_s
+            if (
+                idle is not None
+                and not self.clients
+                and anyio.current_time() - self.idle_since >= idle
+            ):
+                logger.info("no client for %.1f s; stopping", idle)
+                self.stopping.set()
+                return
+
+
+async def _signals(agent: Agent) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as received:
+        async for signum in received:
+            logger.warning("signal %d: restoring hardware settings and stopping", signum)
+            agent.stopping.set()
+            return
+
+
+async def run_agent(cfg: AgentConfig, *, ready_line: bool = False) -> None:
+    """Run an agent until it is told to stop (see the module docstring)."""
+    from ..devices.sim import SimConfig
+
+    actx = zmq.asyncio.Context()
+    router = actx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    dec = msgspec.msgpack.Decoder(Hello | Edge | Bye | Control)
+    sim_config: Any = (
+        msgspec.json.decode(cfg.sim_config, type=SimConfig) if cfg.sim_config else None
+    )
+    processes = cfg.processes
+    if processes is not None:
+        # The owner's process tree, less this agent.
+        processes = msgspec.structs.replace(processes, exclude=(*processes.exclude, os.getpid()))
+    old_umask = os.umask(0o077)  # the socket file: owner only
+    try:
+        router.bind(cfg.endpoint)
+    finally:
+        os.umask(old_umask)
+    try:
+        await _run_runtime(cfg, router, dec, sim_config, processes, ready_line)
+    except Exception as exc:
+        if cfg.owner_pid:
+            await _tell_owner(router, dec, sole_exception(exc))
+        raise
+    finally:
+        router.close(linger=500)
+        actx.term()
+
+
+async def _tell_owner(router: Any, dec: msgspec.msgpack.Decoder[Any], exc: BaseException) -> None:
+    """A private agent that could not start answers its owner's hello with the error, typed."""
+    with anyio.move_on_after(5):
+        while True:
+            ident, data = await router.recv_multipart()
+            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                if isinstance(dec.decode(data), Hello):
+                    reply = Reply(kind="error", **error_reply_fields(exc))  # type: ignore[arg-type]
+                    await router.send_multipart([ident, msgspec.msgpack.encode(reply)])
+                    return
+
+
+async def _run_runtime(
+    cfg: AgentConfig,
+    router: Any,
+    dec: msgspec.msgpack.Decoder[Any],
+    sim_config: Any,
+    processes: Any,
+    ready_line: bool,
+) -> None:
+    from ..monitor import window_log_consumer
+
+    if True:
+        async with Runtime(
+            backend=cfg.backend,
+            gpus=cfg.gpus,
+            cpus=cfg.cpus if cfg.cpus is not None else "auto",
+            period_s=cfg.period_s,
+            fields=cfg.fields,
+            adaptive_reads=cfg.adaptive_reads,
+            publish=cfg.publish,
+            sim_config=sim_config,
+            windows=True,
+            finalize_timeout_s=cfg.finalize_timeout_s,
+            record=cfg.record,
+            processes=processes,
+            meta=cfg.meta,
+            prometheus_port=cfg.prometheus_port,
+            prometheus_addr=cfg.prometheus_addr,
+        ) as rt:
+            if cfg.log_file:
+                rt.start_consumer(window_log_consumer(cfg.log_file), isolate="window log")
+            agent = Agent(cfg, rt, router)
+            tracker = rt.tracker
+            assert tracker is not None
+            tracker.on_result = agent.on_result
+            if ready_line:
+                print(f"agent ready: {cfg.endpoint}", flush=True)  # noqa: T201
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_signals, agent)
+                tg.start_soon(agent.watch)
+                tg.start_soon(_serve, agent, dec)
+                await agent.stopping.wait()
+                tg.cancel_scope.cancel()
+            for ident in list(agent.clients):
+                await agent.goodbye(ident)
+
+
+async def _serve(agent: Agent, dec: msgspec.msgpack.Decoder[Any]) -> None:
+    # Controls run one at a time, in order, beside the edges (a slow NVML call never delays a
+    # window edge).
+    controls_in, controls_out = anyio.create_memory_object_stream[tuple[bytes, Control]](1000)
+
+    async def control_worker() -> None:
+        async for ident, msg in controls_out:
+            await agent.control(ident, msg)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(control_worker)
+        while True:
+            ident, data = await agent.router.recv_multipart()
+            try:
+                msg = dec.decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                logger.warning("malformed message from a client ignored: %s", exc)
+                continue
+            if isinstance(msg, Edge):
+                agent.edge(ident, msg)
+            elif isinstance(msg, Control):
+                await controls_in.send((ident, msg))
+            elif isinstance(msg, Hello):
+                try:
+                    agent.hello(ident, msg)
+                except Exception as exc:
+                    agent.send(ident, Reply(kind="error", **error_reply_fields(exc)))  # type: ignore[arg-type]
+            elif isinstance(msg, Bye):
+                await agent.goodbye(ident)
+                if agent.private:
+                    agent.stopping.set()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of a private agent (``python -m zeus_async.agent.server CONFIG_JSON``)."""
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, format="zeus-async agent: %(message)s")
+    cfg = msgspec.json.decode(argv[0], type=AgentConfig)
+    sys.exit(serve(cfg))
+
+
+def serve(cfg: AgentConfig, *, ready_line: bool = False) -> int:
+    """Run an agent in this process; returns an exit code.
+
+    A node agent first takes the node lock (exit code :data:`EXIT_AGENT_RUNNING` when another
+    node agent holds it) and restores whatever dead processes left changed.
+    """
+    # A private agent's owner handles the terminal's signals; this process must outlive them
+    # long enough to restore (it runs in its own session, and ignores SIGINT until its loop
+    # installs handlers).
+    with contextlib.ExitStack() as stack:
+        if cfg.node and not stack.enter_context(_node_lock()):
+            logger.error("another node agent is running (%s)", private_dir() / NODE_LOCK)
+            return EXIT_AGENT_RUNNING
+        try:
+            anyio.run(functools.partial(run_agent, cfg, ready_line=ready_line), backend="asyncio")
+        except Exception as exc:
+            exc = sole_exception(exc)  # type: ignore[assignment]
+            logger.error("%s: %s", type(exc).__name__, exc)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    main()
