@@ -498,6 +498,7 @@ class Monitor(ClosedOnExit):
         ``NoPermissionError`` / ``ConfigError`` on failure.
         """
         self._check_open()
+        gpus = self.gpu_indices if gpus is None else gpus
         if self._process is not None:
             return self._process.control("set_power_limit", watts=watts, gpus=gpus, source=source)
         assert self._embedded is not None and self._embedded.runtime is not None
@@ -516,6 +517,7 @@ class Monitor(ClosedOnExit):
         ``ConfigError``.
         """
         self._check_open()
+        gpus = self.gpu_indices if gpus is None else gpus
         if self._process is not None:
             return self._process.control("set_sm_clocks", mhz=mhz, gpus=gpus, source=source)
         assert self._embedded is not None and self._embedded.runtime is not None

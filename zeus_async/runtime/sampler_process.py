@@ -168,6 +168,8 @@ class SamplerProcess:
                 prometheus_port=prometheus_port,
                 prometheus_addr=prometheus_addr,
             )
+            # The agent's warnings (a recording that failed, a restore) go to our stderr,
+            # where the user looks; its start-up errors also come back typed (see Hello).
             self._stderr = open(os.path.join(self._dir, "stderr"), "w+b")  # noqa: SIM115
             # Its own session: a Ctrl-C in the terminal or a SIGTERM to this job's process
             # group reaches only us; we then close it (restoring), or it sees us gone.
@@ -175,7 +177,7 @@ class SamplerProcess:
                 [sys.executable, "-m", "zeus_async.agent.server", msgspec.json.encode(cfg)],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
-                stderr=self._stderr,
+                stderr=None,
                 start_new_session=True,
             )
         else:

@@ -1,0 +1,172 @@
+"""Hardware settings come back however a job stops: real processes, node state read from outside.
+
+Each test starts ``zeus_async.testing.restore_job`` (a Monitor that caps every simulated GPU to
+its minimum limit and locks GPU 0's clock) in its own process group, stops it one way, and then
+reads the simulated node's state the way a driver would show it: from this process, through
+the node-wide state file (``zeus_async.testing.read_sim_node_state``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from zeus_async.devices.sim_config import SimConfig
+from zeus_async.testing import read_sim_node_state
+
+CONFIG = SimConfig(num_gpus=2, seed=7)
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def _env() -> dict[str, str]:
+    path = os.environ.get("PYTHONPATH")
+    return dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        ZEUS_ASYNC_SIM=CONFIG.to_json(),
+        PYTHONPATH=str(ROOT) if not path else f"{ROOT}{os.pathsep}{path}",
+    )
+
+
+def _start(*args: str) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zeus_async.testing.restore_job", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        start_new_session=True,  # its own process group, as a job under a shell or Slurm
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("capped"), (line, proc.stderr.read() if proc.stderr else "")
+    state = read_sim_node_state(CONFIG)
+    assert [g.power_limit_w for g in state] == [200.0, 200.0]
+    assert state[0].locked_sm_clocks_mhz == (990, 990)
+    return proc, int(line.split()[1])
+
+
+def _restored() -> bool:
+    return all(g.is_default(CONFIG) for g in read_sim_node_state(CONFIG))
+
+
+def _wait_restored(timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _restored():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not restored: {read_sim_node_state(CONFIG)}")
+
+
+def _gone(pid: int, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _finish(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate(timeout=20)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_signal_to_the_process_group_restores(sig: int) -> None:
+    proc, agent_pid = _start()
+    try:
+        os.killpg(proc.pid, sig)  # what a terminal's Ctrl-C, Slurm or docker stop do
+        proc.wait(timeout=20)
+        _wait_restored()
+        assert _gone(agent_pid)
+    finally:
+        _finish(proc)
+
+
+def test_sigkill_of_the_training_process_restores() -> None:
+    proc, agent_pid = _start()
+    try:
+        proc.kill()  # the OOM killer
+        proc.wait(timeout=20)
+        _wait_restored()
+        assert _gone(agent_pid)
+    finally:
+        _finish(proc)
+
+
+def test_sigkill_of_everything_is_restored_at_the_next_agent_start() -> None:
+    proc, agent_pid = _start()
+    try:
+        os.kill(agent_pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait(timeout=20)
+        assert _gone(agent_pid)
+        assert not _restored()  # nobody was left to do it
+        out = subprocess.run(
+            [sys.executable, "-m", "zeus_async", "agent", "--restore"],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "3 setting(s) found to restore" in out.stdout, out.stdout
+        assert _restored()
+    finally:
+        _finish(proc)
+
+
+def test_a_new_monitor_restores_what_a_killed_job_left() -> None:
+    proc, agent_pid = _start()
+    try:
+        os.kill(agent_pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait(timeout=20)
+        assert _gone(agent_pid)
+        code = "from zeus_async import Monitor; Monitor(backend='sim', cpu_indices=[]).close()"
+        subprocess.run([sys.executable, "-c", code], env=_env(), check=True, timeout=60)
+        assert _restored()
+    finally:
+        _finish(proc)
+
+
+def test_disk_full_keeps_sampling_and_restores() -> None:
+    # /dev/full answers every write with ENOSPC: the recording fails, nothing else does.
+    proc, _ = _start("--record", "/dev/full")
+    try:
+        time.sleep(1.0)
+        assert proc.poll() is None  # still measuring windows
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+        _wait_restored()
+    finally:
+        _finish(proc)
+    assert "recorder failed" in err and "No space left on device" in err, err
+    assert "Traceback" not in err.split("KeyboardInterrupt")[0] or "recorder" in err
+
+
+def test_thread_sampler_killed_is_restored_at_the_next_start() -> None:
+    proc, _ = _start("--thread")
+    try:
+        proc.kill()
+        proc.wait(timeout=20)
+        assert not _restored()  # the settings lived in the killed process
+        code = "from zeus_async import Monitor; Monitor(backend='sim', cpu_indices=[]).close()"
+        subprocess.run([sys.executable, "-c", code], env=_env(), check=True, timeout=60)
+        assert _restored()
+    finally:
+        _finish(proc)
