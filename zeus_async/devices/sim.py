@@ -28,12 +28,21 @@ Time comes from an injectable :class:`~zeus_async.clock.Clock` (``wall_ns()``), 
 
 Several processes with the same configuration see the same node: the trace, UUIDs, processes
 and the counter origin (``config.counter_origin_ns``, default midnight UTC of the day the node
-was created) are deterministic. **Settable state (power limit, locked clocks, persistence mode)
-is per process**: a limit set in one process does not affect what another process reads.
+was created) are deterministic. **Settable state (power limit, locked SM clocks, persistence
+mode) belongs to the node, as with the driver**: it is kept in a small file shared by every
+process simulating the same configuration (:mod:`zeus_async.devices.sim_state`), so a limit set
+in one process is seen by every other one and outlives the process that set it. A node starts
+from that state; a change made by another process is seen when a setting is read, and by power,
+energy and clock readings within about 50 ms (they look at the file's ``st_mtime_ns`` at most
+every 50 ms; memoized readings when the driver next updates them). It takes effect at the time
+the other process made it, but never before the last reading this process reported (reported
+counters never go back) nor after now. Locked *memory* clocks stay per process.
+``SimNode(..., shared_state=False)`` keeps all settable state in the process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -42,7 +51,8 @@ import threading
 import time
 import uuid
 from bisect import bisect_right
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Final, NamedTuple
 
 from ..clock import Clock, RealClock
@@ -57,6 +67,7 @@ from .sim_config import (
     SimConfig,
     load_sim_config,
 )
+from .sim_state import FileKey, GpuState, NodeState, NodeStateFile, clamp_state
 from .sim_workload import (
     ConstantWorkload,
     IdleWorkload,
@@ -97,6 +108,10 @@ _SPIN_CHUNK = bytes(2048)
 NS: Final = 1_000_000_000
 DAY_NS: Final = 86_400 * NS
 _NEG_INF: Final = -(1 << 62)
+_POS_INF: Final = 1 << 62
+#: Least monotonic time between two looks at the node state file on the read path.
+STATE_POLL_NS: Final = 50_000_000
+_monotonic_ns = time.monotonic_ns
 
 
 class SimProcess(NamedTuple):
@@ -191,7 +206,8 @@ class _Table:
 
 
 class SimGpu:
-    """One simulated GPU. Methods take wall-clock ns; settings are this process's own."""
+    """One simulated GPU. Methods take wall-clock ns; settings are the node's (see the module
+    docstring)."""
 
     def __init__(self, node: SimNode, index: int) -> None:
         cfg = node.config
@@ -222,18 +238,20 @@ class SimGpu:
         self.profile: Profile = build_profile(ov.workload or cfg.workload, cfg.seed, index)
         self.processes: list[SimProcess] = self._make_processes()
         self.memory_used_bytes = cfg.memory_base_bytes + sum(p.memory_bytes for p in self.processes)
-        self.persistence_mode = cfg.persistence_mode
+        self._persistence: bool = cfg.persistence_mode
         self.memory_locked_clocks: tuple[int, int] | None = None
         self._lock = threading.Lock()
         self._cache: dict[_Settings, _Table] = {}
         # Last reported value per kind, keyed by its grid time: reads between driver updates
-        # cost a dict lookup (valid because settings only change "now", after those windows).
+        # cost a dict lookup (valid because settings only change "now", after those windows;
+        # other processes' changes are dated after the last reading too).
         self._memo: dict[str, tuple[int, int]] = {}
         default = _Settings(cfg.power_limit_default_w, None, None)
         self._settings: list[_Settings] = [default]
         self._tables: list[_Table] = [self._table(default)]
         self._cum: list[float] = [0.0]  # energy from the counter origin to each epoch start
         self._starts: list[int] = [_NEG_INF]  # settings epochs; appended last (readers bisect)
+        self._reported_ns = _NEG_INF  # latest time a driver reading was made for
 
     def _make_processes(self) -> list[SimProcess]:
         cfg = self.node.config
@@ -270,12 +288,20 @@ class SimGpu:
 
     @property
     def power_limit_w(self) -> float:
-        """Power limit now in force (this process's view)."""
+        """Power limit now in force (the node's, including other processes' changes)."""
+        self.node.poll_state(force=True)
         return self._settings[-1].limit_w
+
+    @property
+    def persistence_mode(self) -> bool:
+        """Persistence mode (the node's; set with :meth:`set_persistence_mode`)."""
+        self.node.poll_state(force=True)
+        return self._persistence
 
     @property
     def locked_sm_clocks_mhz(self) -> tuple[int, int] | None:
         """``(min, max)`` locked SM clock range, or ``None`` when not locked."""
+        self.node.poll_state(force=True)
         s = self._settings[-1]
         return (
             None
@@ -323,7 +349,7 @@ class SimGpu:
                 f"power limit {watts} W outside "
                 f"[{cfg.power_limit_min_w}, {cfg.power_limit_max_w}] W"
             )
-        self._apply(self._now(t_ns), self._settings[-1]._replace(limit_w=float(watts)))
+        self._change(t_ns, lambda s: s._replace(limit_w=float(watts)))
 
     def lock_sm_clocks_mhz(self, min_mhz: int, max_mhz: int, t_ns: int | None = None) -> None:
         """Lock SM clocks to ``[min_mhz, max_mhz]`` (clamped to the supported range)."""
@@ -332,16 +358,71 @@ class SimGpu:
             raise ConfigError(f"locked clock range {min_mhz}..{max_mhz} MHz is empty")
         lo = min(max(min_mhz, cfg.min_sm_clock_mhz), cfg.max_sm_clock_mhz)
         hi = min(max(max_mhz, cfg.min_sm_clock_mhz), cfg.max_sm_clock_mhz)
-        self._apply(self._now(t_ns), self._settings[-1]._replace(lock_min_mhz=lo, lock_max_mhz=hi))
+        self._change(t_ns, lambda s: s._replace(lock_min_mhz=lo, lock_max_mhz=hi))
 
     def reset_sm_clocks(self, t_ns: int | None = None) -> None:
         """Undo :meth:`lock_sm_clocks_mhz` from ``t_ns`` (default: now) on."""
-        self._apply(
-            self._now(t_ns), self._settings[-1]._replace(lock_min_mhz=None, lock_max_mhz=None)
-        )
+        self._change(t_ns, lambda s: s._replace(lock_min_mhz=None, lock_max_mhz=None))
+
+    def set_persistence_mode(self, enabled: bool, t_ns: int | None = None) -> None:
+        """Turn persistence mode on or off (``t_ns``, default now, dates the change)."""
+        self._change(t_ns, None, bool(enabled))
 
     def _now(self, t_ns: int | None) -> int:
         return self.node.now_ns() if t_ns is None else t_ns
+
+    def _change(
+        self,
+        t_ns: int | None,
+        edit: Callable[[_Settings], _Settings] | None,
+        persistence: bool | None = None,
+    ) -> None:
+        """Apply a change here and in the node state (``edit`` works on the latest settings,
+        other processes' changes included)."""
+        t = self._now(t_ns)
+        with self.node._publishing() as publish:
+            if edit is not None:
+                self._apply(t, edit(self._settings[-1]))
+                t = max(t, self._starts[-1])
+            if persistence is not None:
+                self._persistence = persistence
+            publish(self.index, self._state(t))
+
+    def _state(self, t_ns: int) -> GpuState:
+        s = self._settings[-1]
+        return GpuState(
+            power_limit_w=s.limit_w,
+            locked_sm_clock_min_mhz=s.lock_min_mhz,
+            locked_sm_clock_max_mhz=s.lock_max_mhz,
+            persistence_mode=self._persistence,
+            changed_ns=t_ns,
+        )
+
+    def _absorb(self, state: GpuState | None, now_ns: int) -> None:
+        """Take the node state's settings (``None``: the defaults) if they differ from ours,
+        dated at their change time, but not before the last reading reported (so no reported
+        value changes) nor after now."""
+        limit, lock, persistence, changed = clamp_state(self.node.config, state)
+        settings = _Settings(limit, *(lock or (None, None)))
+        if settings != self._settings[-1]:
+            t = now_ns if changed is None else changed
+            self._apply(min(max(t, self._reported_ns), now_ns), settings)
+            logger.debug("gpu %d: settings %s from the node state", self.index, settings)
+        self._persistence = persistence
+
+    def _observe(self, t_ns: int) -> None:
+        """Before a driver reading that depends on the settings up to ``t_ns``: look for other
+        processes' changes (at most every :data:`STATE_POLL_NS`), then note ``t_ns`` as
+        reported (changes found later are dated after it).
+
+        Memoized readings call it only when they compute a new value (once per driver update):
+        until then they repeat a value that no change found later may alter anyway.
+        """
+        node = self.node
+        if _monotonic_ns() >= node._next_poll_ns:  # inlined _maybe_poll: the hot path
+            node.poll_state()
+        if t_ns > self._reported_ns:
+            self._reported_ns = t_ns
 
     # -- ground truth -----------------------------------------------------------------------
 
@@ -355,11 +436,16 @@ class SimGpu:
 
     def power_w(self, t_ns: int) -> float:
         """True power draw at ``t_ns``."""
+        self.node._maybe_poll()
         table, i = self._segment(t_ns)
         return table.power[i]
 
     def sm_clock_mhz(self, t_ns: int) -> float:
         """Effective SM clock at ``t_ns`` (idle clock while utilization is 0)."""
+        if _monotonic_ns() >= self.node._next_poll_ns:  # _observe, inlined: not memoized
+            self.node.poll_state()
+        if t_ns > self._reported_ns:
+            self._reported_ns = t_ns
         table, i = self._segment(t_ns)
         return table.clk_mhz[i]
 
@@ -368,6 +454,7 @@ class SimGpu:
 
         During idle segments this is the speed work *would* run at with the settings in force.
         """
+        self.node._maybe_poll()
         table, i = self._segment(t_ns)
         return table.thru[i]
 
@@ -392,10 +479,15 @@ class SimGpu:
 
     def energy_j(self, t0_ns: int, t1_ns: int) -> float:
         """Exact energy (J) drawn over ``[t0_ns, t1_ns]`` (negative if reversed)."""
+        self.node._maybe_poll()
         return self._walk(True, t0_ns, t1_ns)
 
     def mean_util(self, t0_ns: int, t1_ns: int) -> float:
         """Mean utilization over ``[t0_ns, t1_ns)``."""
+        self.node._maybe_poll()
+        return self._mean_util(t0_ns, t1_ns)
+
+    def _mean_util(self, t0_ns: int, t1_ns: int) -> float:
         return self._walk(False, t0_ns, t1_ns) * NS / (t1_ns - t0_ns)
 
     def work_duration_s(self, work_units: float, start_ns: int) -> float:
@@ -405,6 +497,7 @@ class SimGpu:
         """
         if work_units <= 0:
             return 0.0
+        self.node._maybe_poll()
         starts, remaining, t = self._starts, float(work_units), start_ns
         j = self._epoch(start_ns)
         while True:
@@ -432,6 +525,7 @@ class SimGpu:
         memo = self._memo.get("counter")
         if memo is not None and memo[0] == b:
             return memo[1]
+        self._observe(b)
         j = self._epoch(b)
         start = origin if j == 0 else self._starts[j]
         table = self._tables[j]
@@ -447,7 +541,8 @@ class SimGpu:
         memo = self._memo.get("instant")
         if memo is not None and memo[0] == start:
             return memo[1]
-        e = self.energy_j(start, start + node.instant_window_ns)
+        self._observe(start + node.instant_window_ns)
+        e = self._walk(True, start, start + node.instant_window_ns)
         mw = self._noisy(round(e * 1000.0 * NS / node.instant_window_ns), "instant", start)
         self._memo["instant"] = (start, mw)
         return mw
@@ -459,7 +554,8 @@ class SimGpu:
         memo = self._memo.get("average")
         if memo is not None and memo[0] == end:
             return memo[1]
-        e = self.energy_j(end - node.average_window_ns, end)
+        self._observe(end)
+        e = self._walk(True, end - node.average_window_ns, end)
         mw = self._noisy(round(e * 1000.0 * NS / node.average_window_ns), "average", end)
         self._memo["average"] = (end, mw)
         return mw
@@ -474,22 +570,25 @@ class SimGpu:
 
     def memory_power_mw(self, t_ns: int) -> int:
         """Memory power (mW), averaged like :meth:`average_power_mw`; part of the total."""
+        self._observe(t_ns)
         node, cfg = self.node, self.node.config
         end = self.grid_floor_ns(t_ns, node.average_period_ns)
-        u = self.mean_util(end - node.average_window_ns, end)
+        u = self._mean_util(end - node.average_window_ns, end)
         return round((cfg.memory_idle_w + cfg.memory_dyn_w * u) * 1000.0)
 
     def temperature_c(self, t_ns: int) -> float:
         """Die temperature: ambient plus a coefficient times mean power over the thermal lag."""
+        self._observe(t_ns)
         cfg = self.node.config
         tau = round(cfg.thermal_tau_s * NS)
-        return cfg.ambient_c + cfg.thermal_c_per_w * self.energy_j(t_ns - tau, t_ns) * NS / tau
+        return cfg.ambient_c + cfg.thermal_c_per_w * self._walk(True, t_ns - tau, t_ns) * NS / tau
 
     def utilization_pct(self, t_ns: int) -> tuple[int, int]:
         """``(gpu %, memory %)`` over the last completed utilization sample period."""
+        self._observe(t_ns)
         node = self.node
         end = self.grid_floor_ns(t_ns, node.instant_period_ns)
-        u = self.mean_util(end - node.instant_period_ns, end)
+        u = self._mean_util(end - node.instant_period_ns, end)
         return round(u * 100.0), round(u * self.memory_bound_frac * 100.0)
 
 
@@ -499,9 +598,22 @@ class SimNode:
     Args:
         config: The node description (default :class:`SimConfig()`).
         clock: Source of wall time (default: the real clock).
+        shared_state: Keep settable state (power limit, locked SM clocks, persistence mode) in
+            the node state file shared with every process simulating the same configuration
+            (:mod:`~zeus_async.devices.sim_state`), as the driver would; ``False`` keeps it in
+            this node object only (pure in-process simulations).
+
+    Raises:
+        ConfigError: With ``shared_state``, the private directory is not safe to use.
     """
 
-    def __init__(self, config: SimConfig | None = None, clock: Clock | None = None) -> None:
+    def __init__(
+        self,
+        config: SimConfig | None = None,
+        clock: Clock | None = None,
+        *,
+        shared_state: bool = True,
+    ) -> None:
         self.config = config if config is not None else SimConfig()
         self.clock: Clock = clock if clock is not None else RealClock()
         cfg = self.config
@@ -515,16 +627,98 @@ class SimNode:
         self.average_window_ns = round(cfg.average_window_s * NS)
         self.average_period_ns = round(cfg.average_period_s * NS)
         self._latency_ns = round(cfg.call_latency_s * NS)
+        self._state_file: NodeStateFile | None = (
+            NodeStateFile(cfg) if shared_state and cfg.num_gpus else None
+        )
+        self._state_key: FileKey = None  # version of the state file last taken in
+        self._read_failed = False  # the last look failed (warned once, until one succeeds)
+        self._state_lock = threading.RLock()
+        # monotonic ns of the next look at the file on the read path (never without one)
+        self._next_poll_ns = 0 if self._state_file is not None else _POS_INF
         self.gpus: list[SimGpu] = [SimGpu(self, i) for i in range(cfg.num_gpus)]
+        self.poll_state(force=True)
         logger.debug(
             "simulated node: %d x %s, origin %d", cfg.num_gpus, cfg.name, self.counter_origin_ns
         )
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, clock: Clock | None = None) -> SimNode:
+    def from_env(
+        cls,
+        env: Mapping[str, str] | None = None,
+        clock: Clock | None = None,
+        *,
+        shared_state: bool = True,
+    ) -> SimNode:
         """A node from :data:`SIM_ENV_VAR` (JSON or a path), or the defaults when unset."""
         value = (os.environ if env is None else env).get(SIM_ENV_VAR)
-        return cls(load_sim_config(value) if value else SimConfig(), clock)
+        config = load_sim_config(value) if value else SimConfig()
+        return cls(config, clock, shared_state=shared_state)
+
+    @property
+    def state_path(self) -> Path | None:
+        """The node state file (``None`` without ``shared_state``); it may not exist yet."""
+        return None if self._state_file is None else self._state_file.path
+
+    def poll_state(self, force: bool = False) -> None:
+        """Take in changes other processes made to the node state since the last look.
+
+        One ``os.stat`` when the file is unchanged. Without ``force``, returns at once while
+        another thread is looking. A file that cannot be read is logged (once) and skipped: the
+        next look retries.
+        """
+        sf = self._state_file
+        if sf is None:
+            return
+        lock = self._state_lock
+        if not lock.acquire(blocking=force):
+            return
+        try:
+            self._next_poll_ns = time.monotonic_ns() + STATE_POLL_NS
+            try:
+                if sf.stat_key() == self._state_key:
+                    return
+                state, key = sf.read()
+            except OSError as exc:
+                if not self._read_failed:
+                    logger.warning("cannot read simulated node state %s: %s", sf.path, exc)
+                self._read_failed = True
+                return
+            self._read_failed = False
+            self._absorb(state, key)
+        finally:
+            lock.release()
+
+    def _maybe_poll(self) -> None:
+        """:meth:`poll_state` at most every :data:`STATE_POLL_NS` (the read path)."""
+        if _monotonic_ns() >= self._next_poll_ns:
+            self.poll_state()
+
+    def _absorb(self, state: NodeState | None, key: FileKey) -> None:
+        """Make every GPU's settings those of ``state`` (``None``: the defaults); call under
+        ``_state_lock``."""
+        now = self.now_ns()
+        gpus = {} if state is None else state.gpus
+        for gpu in self.gpus:
+            gpu._absorb(gpus.get(gpu.index), now)
+        self._state_key = key
+
+    @contextlib.contextmanager
+    def _publishing(self) -> Iterator[Callable[[int, GpuState], None]]:
+        """Read-modify-write of the node state under its lock: takes in the latest state, then
+        yields ``publish(index, state)``; what was published is written on exit."""
+        sf = self._state_file
+        if sf is None:
+            yield lambda index, state: None
+            return
+        with self._state_lock, sf.locked():
+            try:
+                current, key = sf.read()
+            except OSError as exc:
+                raise ConfigError(f"cannot read simulated node state {sf.path}: {exc}") from exc
+            self._absorb(current, key)
+            gpus: dict[int, GpuState] = {} if current is None else dict(current.gpus)
+            yield gpus.__setitem__
+            self._state_key = sf.write(NodeState(node=sf.key, gpus=gpus))
 
     def now_ns(self) -> int:
         """Current wall time of the node's clock."""

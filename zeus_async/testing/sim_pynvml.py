@@ -18,6 +18,12 @@ Ways to use it:
 Which node is served: the one given to :func:`install`; otherwise :func:`nvmlInit` builds one
 from ``ZEUS_ASYNC_SIM`` (JSON or a path) or the defaults, on the real clock. Like real NVML, the
 device count ignores ``CUDA_VISIBLE_DEVICES`` (the backend applies it).
+
+As with a driver, what the ``nvmlDeviceSet*`` calls change (power limit, locked SM clocks,
+persistence mode) belongs to the node, not the process: every process simulating the same
+configuration sees it, and it stays after the process exits (:mod:`zeus_async.devices.sim_state`;
+:func:`~zeus_async.testing.read_sim_node_state` reads it and
+:func:`~zeus_async.testing.reset_sim_node_state` puts the defaults back).
 """
 
 from __future__ import annotations
@@ -526,11 +532,11 @@ def nvmlDeviceGetPersistenceMode(handle: Handle) -> int:
 
 def nvmlDeviceSetPersistenceMode(handle: Handle, mode: int) -> None:
     mode = operator.index(mode)
-    gpu = _gpu(handle)[1]
+    _, gpu, now = _gpu(handle)
     _settable(gpu, "persistence")
     if mode not in (0, 1):
         raise NVMLError(_b.INVALID_ARGUMENT)
-    gpu.persistence_mode = bool(mode)
+    gpu.set_persistence_mode(bool(mode), now)
 
 
 def nvmlDeviceGetTemperature(handle: Handle, sensor: int) -> int:
