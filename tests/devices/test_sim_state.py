@@ -103,7 +103,7 @@ def read_in_fresh_process(config: SimConfig = CONFIG) -> list[list[object]]:
 
 
 @pytest.mark.slow
-def test_settings_outlive_the_process_that_made_them() -> None:
+def test_settings_outlive_the_process_that_made_them(monkeypatch: pytest.MonkeyPatch) -> None:
     assert read_in_fresh_process() == [[700_000, None, 1]] * 4
     run_python(SET_THROUGH_NVML)  # exits before anything reads
     assert read_in_fresh_process() == [
@@ -125,12 +125,10 @@ def test_settings_outlive_the_process_that_made_them() -> None:
     assert states[1].changed_ns is None and states[3].changed_ns is None
     now = time.time_ns()
     assert states[0].changed_ns is not None and now - 60 * NS < states[0].changed_ns <= now
-    # The default config comes from ZEUS_ASYNC_SIM, as in SimNode.from_env.
-    os.environ["ZEUS_ASYNC_SIM"] = CONFIG.to_json()
-    try:
-        assert read_sim_node_state() == states
-    finally:
-        del os.environ["ZEUS_ASYNC_SIM"]
+    # The default config comes from ZEUS_ASYNC_SIM, as in SimNode.from_env, else SimConfig().
+    monkeypatch.setenv("ZEUS_ASYNC_SIM", CONFIG.to_json())
+    assert read_sim_node_state() == states
+    monkeypatch.delenv("ZEUS_ASYNC_SIM")
     assert read_sim_node_state() == [SimGpuState(i, 700.0, None, True, None) for i in range(4)]
 
 
