@@ -180,19 +180,24 @@ class Journal:
         self._lock_fd = None
 
 
-def _is_orphan(lock_path: Path) -> bool:
-    """Whether nobody holds ``lock_path`` (its owner died): try to lock it, and let go."""
+def lock_held(lock_path: Path) -> bool:
+    """Whether a live process holds ``lock_path`` (``flock``): try to lock it, and let go."""
     try:
         fd = os.open(lock_path, os.O_RDWR)
     except FileNotFoundError:
-        return True
+        return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        return False
+        return True
     finally:
         os.close(fd)
-    return True
+    return False
+
+
+def _is_orphan(lock_path: Path) -> bool:
+    """Whether the owner of a journal died (nobody holds its lock file)."""
+    return not lock_held(lock_path)
 
 
 def live_journals(directory: Path, *, exclude: Path | None = None) -> list[JournalDoc]:

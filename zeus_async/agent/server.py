@@ -40,6 +40,7 @@ from .._paths import private_dir
 from ..errors import ConfigError, sole_exception
 from ..events import Measurement
 from ..runtime.runtime import Runtime
+from .journal import lock_held
 from .protocol import AgentConfig, Bye, Control, Edge, Hello, Reply, error_reply_fields
 
 __all__ = ["EXIT_AGENT_RUNNING", "NODE_LOCK", "NODE_SOCKET", "node_agent_running", "run_agent"]
@@ -57,18 +58,7 @@ NODE_LOCK = "agent.lock"
 
 def node_agent_running() -> bool:
     """Whether a node agent holds the node lock (cheap: one ``flock`` probe)."""
-    path = private_dir() / NODE_LOCK
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
+    return lock_held(private_dir() / NODE_LOCK)
 
 
 @contextlib.contextmanager
