@@ -123,6 +123,31 @@ def test_agent_sigterm_restores_its_clients_settings(node_agent: subprocess.Pope
         assert all(g.is_default(CONFIG) for g in state), state
 
 
+@pytest.mark.slow
+def test_attached_client_sees_the_agent_die_and_restores(
+    node_agent: subprocess.Popen[str],
+) -> None:
+    with Monitor() as mon:
+        mon.set_power_limit(400).result(timeout=30)
+        mon.set_sm_clocks(1200, [0]).result(timeout=30)
+        mon.begin_window("in flight")
+        node_agent.kill()  # SIGKILL: the agent restores nothing itself
+        node_agent.wait(timeout=20)
+        # The client notices at once (a pidfd), not at a timeout.
+        deadline = time.monotonic() + 5
+        with pytest.raises(RuntimeError, match=r"the agent \(pid \d+\) exited"):
+            while time.monotonic() < deadline:
+                mon.end_window("in flight").wait(timeout=1)
+                mon.begin_window("in flight")
+        # The client restored the dead agent's journal (no new agent needed).
+        state = read_sim_node_state(CONFIG)
+        assert all(g.is_default(CONFIG) for g in state), state
+        with pytest.raises(RuntimeError, match="exited"):
+            mon.begin_window("after")
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 5  # closing does not wait for a goodbye from the dead
+
+
 def test_bad_arguments_are_refused_in_the_callers_process(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError) as info:
         Monitor(backend="sim", cpu_indices=[], record=tmp_path / "missing" / "run.zarc")

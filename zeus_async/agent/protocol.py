@@ -123,6 +123,8 @@ class Reply(msgspec.Struct, omit_defaults=True):
     error_type: str = ""
     devices: list[DeviceInfo] = []
     prometheus_port: int | None = None
+    #: ``ready``: the agent's pid, which attached clients watch (they fail fast if it dies).
+    agent_pid: int = 0
     #: For ``error`` replies about a path: the path (``FileNotFoundError`` and friends).
     filename: str | None = None
     errno: int | None = None

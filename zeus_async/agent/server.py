@@ -195,6 +195,7 @@ class Agent:
                 endpoint=endpoint,
                 devices=devices,
                 prometheus_port=self.rt.prometheus_port,
+                agent_pid=os.getpid(),
             ),
         )
         logger.info("client %s attached", client.label)

@@ -21,6 +21,7 @@ its step rate, instead of two wake-ups (two GIL hand-offs) per step.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import os
@@ -211,6 +212,13 @@ class SamplerProcess:
             self._only = set(gpus)
             self.gpu_indices = [g for g in self.gpu_indices if g in self._only]
             self.devices = [d for d in self.devices if int(d.key[4:]) in self._only]
+        # Attached: watch the agent, which is not our child (a pidfd becomes readable when it
+        # exits, and cannot name a later process that reuses the pid).
+        self._agent_pid = ready.agent_pid
+        self._agent_fd: int | None = None
+        if attach is not None and ready.agent_pid:
+            with contextlib.suppress(AttributeError, OSError):  # not Linux ≥ 5.3: no pidfd
+                self._agent_fd = os.pidfd_open(ready.agent_pid)
         self._reader = threading.Thread(
             target=self._read_replies, name="zeus-async-sampler-io", daemon=True
         )
@@ -336,6 +344,9 @@ class SamplerProcess:
         urgent.register(self._wake_r, zmq.POLLIN)
         relaxed = zmq.Poller()
         relaxed.register(self._wake_r, zmq.POLLIN)
+        if self._agent_fd is not None:
+            urgent.register(self._agent_fd, zmq.POLLIN)
+            relaxed.register(self._agent_fd, zmq.POLLIN)
         timeout_ms = round(_IDLE_WAKE_S * 1e3)
         while True:
             # Clear the flag before sending, so a request queued after this flush wakes us again.
@@ -355,6 +366,16 @@ class SamplerProcess:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
                     pass
+            if self._proc is None and self._agent_exited(ready):
+                self._drain_replies()
+                self._bye.set()  # nobody is left to answer a goodbye
+                if not self._stopped:
+                    self._recover_after_agent()  # first: a caller who sees the error sees it
+                    self._fail_all(
+                        f"the agent (pid {self._agent_pid}) exited: windows in flight are lost; "
+                        "the settings it held were restored from its journal (see docs/agent.md)"
+                    )
+                return
             if ready and not self._stopped:
                 continue
             if self._proc is None:  # attached to an agent that is not our child
@@ -369,6 +390,30 @@ class SamplerProcess:
                 else:
                     self._fail_all("the monitor was closed before this window was measured")
                 return
+
+    def _agent_exited(self, ready: dict[Any, int]) -> bool:
+        if self._agent_fd is not None:
+            return self._agent_fd in ready
+        if not self._agent_pid:
+            return False
+        try:
+            os.kill(self._agent_pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False  # alive, someone else's (EPERM)
+        return False
+
+    @staticmethod
+    def _recover_after_agent() -> None:
+        # The dead agent's journal is orphaned now: restore it from here rather than wait for
+        # the next agent or runtime to start (whichever process gets the lock first does it).
+        from zeus_async.agent.leases import recover_orphans
+
+        try:
+            recover_orphans()  # logs what it restores
+        except Exception:
+            logger.exception("restoring the dead agent's settings failed")
 
     def _drain_replies(self) -> bool:
         """Handle every reply waiting on the socket (one wake-up for a burst of them).
@@ -453,6 +498,8 @@ class SamplerProcess:
         self._ctx.term()
         self._stderr.close()
         self._woken = True  # no more wake-ups: the descriptors below may be reused
+        if self._agent_fd is not None:
+            os.close(self._agent_fd)
         os.close(self._wake_r)
         os.close(self._wake_w)
         shutil.rmtree(self._dir, ignore_errors=True)
