@@ -43,14 +43,17 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple, cast
 
 import aiofiles
+import anyio
 from anyio.abc import ObjectReceiveStream
 
 from ._exit import ClosedOnExit, call_at_exit
+from ._threads import DaemonExecutor
 from .aggregate.windows import WindowResult, WindowTracker, next_window_id, pop_open_window
 from .errors import ConfigError
 from .events import DeviceInfo, Event, Measurement, event_to_json
 from .model_complexity import ModelComplexity, model_complexity
 from .runtime import EmbeddedRuntime, ProcessTracking
+from .runtime.runtime import output_stall_s
 from .runtime.sampler_process import Edge, SamplerProcess
 
 __all__ = ["Monitor", "ProfilingResult", "WindowContext", "window_log_consumer"]
@@ -94,7 +97,13 @@ def window_log_consumer(
 
     async def consume(stream: ObjectReceiveStream[Event]) -> None:
         header_needed = path.suffix == ".csv" and (not path.exists() or path.stat().st_size == 0)
-        async with aiofiles.open(path, "a", newline="") as f:
+        stall_s = output_stall_s()
+        # Its own daemon thread: a write hung in the kernel holds up neither the event loop's
+        # shutdown nor the interpreter's exit; it is given up after stall_s.
+        executor = DaemonExecutor(f"zeus-async-write {path.name}")
+        f = await aiofiles.open(path, "a", newline="", executor=executor)
+        hung = False
+        try:
             async for event in stream:
                 if not isinstance(event, Measurement):
                     continue
@@ -104,10 +113,22 @@ def window_log_consumer(
                         header_needed = False
                     else:
                         text = event_to_json(event).decode() + "\n"
-                    await f.write(text)
-                    await f.flush()
+                    with anyio.fail_after(stall_s):
+                        await f.write(text)
+                        await f.flush()
                 except OSError:
                     logger.exception("could not log window %r to %s", event.name, path)
+                except TimeoutError:
+                    hung = True
+                    raise TimeoutError(
+                        f"writing {path} made no progress for {stall_s:g} s (a hung file "
+                        "system, or a pipe nobody reads?); the window log was given up"
+                    ) from None
+        finally:
+            if not hung:  # closing would wait for a hung write too
+                with anyio.CancelScope(shield=True):
+                    await f.close()
+            executor.shutdown(wait=False)
 
     return consume
 

@@ -8,6 +8,7 @@ the node-wide state file (``zeus_async.testing.read_sim_node_state``).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -25,24 +26,27 @@ ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
 
+F_SETPIPE_SZ = 1031  # fcntl: set a pipe's capacity (Linux)
 
-def _env() -> dict[str, str]:
+
+def _env(**extra: str) -> dict[str, str]:
     path = os.environ.get("PYTHONPATH")
     return dict(
         os.environ,
         PYTHONUNBUFFERED="1",
         ZEUS_ASYNC_SIM=CONFIG.to_json(),
         PYTHONPATH=str(ROOT) if not path else f"{ROOT}{os.pathsep}{path}",
+        **extra,
     )
 
 
-def _start(*args: str) -> tuple[subprocess.Popen[str], int]:
+def _start(*args: str, **env: str) -> tuple[subprocess.Popen[str], int]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "zeus_async.testing.restore_job", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(),
+        env=_env(**env),
         start_new_session=True,  # its own process group, as a job under a shell or Slurm
     )
     assert proc.stdout is not None
@@ -157,6 +161,35 @@ def test_disk_full_keeps_sampling_and_restores() -> None:
         _finish(proc)
     assert "recorder failed" in err and "No space left on device" in err, err
     assert "Traceback" not in err.split("KeyboardInterrupt")[0] or "recorder" in err
+
+
+def test_stalled_target_keeps_sampling_and_restores(tmp_path: Path) -> None:
+    # A recording into a pipe that a reader holds open and never reads: after 4 KiB every
+    # write blocks forever, as on a hung file system.
+    fifo = tmp_path / "run.zarc"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        fcntl.fcntl(reader, F_SETPIPE_SZ, 4096)
+        proc, agent = _start("--record", str(fifo), "--print-windows", ZEUS_ASYNC_STALL_S="0.5")
+        try:
+            assert proc.stderr is not None
+            line = proc.stderr.readline()  # the first thing the agent says: the stall
+            assert "recorder failed" in line and "made no progress for 0.5 s" in line, line
+            assert proc.stdout is not None
+            for _ in range(20):  # windows go on being measured
+                line = proc.stdout.readline()
+                assert line.startswith("window ") and float(line.split()[1]) > 0, line
+            t0 = time.monotonic()
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.communicate(timeout=20)
+            _wait_restored()
+            assert time.monotonic() - t0 < 5  # nobody waited for the hung write
+            assert _gone(agent)
+        finally:
+            _finish(proc)
+    finally:
+        os.close(reader)
 
 
 def test_thread_sampler_killed_is_restored_at_the_next_start() -> None:

@@ -71,6 +71,8 @@ class EventBatches:
         self._closed = False  # the consumer unsubscribed
         self._ready: anyio.Event | None = None  # set when events arrive or the hub closes
         self._space: anyio.Event | None = None  # set when a batch is taken
+        #: Batches taken so far (a stall watchdog's sign of progress).
+        self.taken = 0
 
     # -- the hub's side (the send-stream protocol Hub uses for every consumer) ----------------
 
@@ -121,6 +123,8 @@ class EventBatches:
     def take_nowait(self) -> list[Event]:
         """Everything buffered now (possibly an empty list), without waiting."""
         batch, self._buf = self._buf, []
+        if batch:
+            self.taken += 1
         space = self._space
         if space is not None and batch:
             self._space = None

@@ -79,6 +79,25 @@ class WindowHandle:
         self.result: WindowResult | None = None
 
 
+#: Environment variable: how long an isolated output (recording, window log) may take nothing
+#: while events wait before it is detached as stalled (seconds; default 10).
+STALL_ENV_VAR = "ZEUS_ASYNC_STALL_S"
+
+
+def output_stall_s() -> float:
+    """The stall timeout of isolated outputs (``$ZEUS_ASYNC_STALL_S``, default 10 s)."""
+    text = os.environ.get(STALL_ENV_VAR, "").strip()
+    if not text:
+        return 10.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"{STALL_ENV_VAR} must be a positive number of seconds, got {text!r}")
+    return value
+
+
 class Runtime:
     """Samples devices and fans their events out.
 
@@ -237,7 +256,12 @@ class Runtime:
                     meta=dict(self._meta),
                     compression="zstd",
                 )
-                self.recorder = Recorder(self._record, header=header, clock=self.clock)
+                self.recorder = Recorder(
+                    self._record,
+                    header=header,
+                    clock=self.clock,
+                    write_timeout_s=output_stall_s(),
+                )
                 self.start_consumer(
                     self.recorder.run, max_buffer=16384, batched=True, isolate="recorder"
                 )
@@ -717,7 +741,7 @@ class Runtime:
         max_buffer: int = 4096,
         batched: bool = False,
         isolate: str | None = None,
-        stall_s: float = 10.0,
+        stall_s: float | None = None,
     ) -> None:
         """Run ``consumer(stream)`` as a task of the runtime.
 
@@ -730,12 +754,18 @@ class Runtime:
         With ``isolate`` (a name, e.g. ``"recorder"``), the consumer's failure does not stop
         the runtime: an exception it raises (a full disk, an unwritable path) is logged and
         published as a :class:`~zeus_async.events.DeviceFault` (device ``consumer:<name>``,
-        kind ``consumer_failed``), and a consumer whose buffer stays full for ``stall_s``
-        seconds (a hung file system) is detached (kind ``consumer_stalled``): sampling,
-        windows and the other consumers go on without it.
+        kind ``consumer_failed``), and a consumer that takes nothing for ``stall_s`` seconds
+        while events wait for it (a hung file system) is detached (kind
+        ``consumer_stalled``): sampling, windows and the other consumers go on without it.
+        With ``batched=True`` the watchdog sees every batch taken, so a consumer stuck in one
+        write is detached before its buffer fills (and before it holds the publisher up); a
+        plain stream's watchdog can only see a full buffer. ``stall_s`` defaults to
+        ``$ZEUS_ASYNC_STALL_S``, else 10 s.
         """
         if self._tg is None:
             raise RuntimeError("start_consumer() needs an entered runtime")
+        if stall_s is None:
+            stall_s = output_stall_s()
         stream: ObjectReceiveStream[Event] | EventBatches = (
             self.hub.subscribe_batches(max_buffer) if batched else self.hub.subscribe(max_buffer)
         )
@@ -755,11 +785,13 @@ class Runtime:
                             return
                         watchdog = anyio.CancelScope()
                         assert self._tg is not None
-                        self._tg.start_soon(self._watch_stall, stream, isolate, stall_s, watchdog)
+                        self._tg.start_soon(
+                            self._watch_stall, stream, isolate, stall_s, watchdog, scope
+                        )
                         try:
                             await consumer(stream)
                         except Exception as exc:
-                            self._consumer_fault(isolate, "consumer_failed", exc)
+                            self._consumer_fault(isolate, "consumer_failed", sole_exception(exc))
                         finally:
                             watchdog.cancel()
             finally:
@@ -788,24 +820,31 @@ class Runtime:
         name: str,
         stall_s: float,
         scope: anyio.CancelScope,
+        consumer_scope: anyio.CancelScope,
     ) -> None:
-        """Detach ``stream`` once it has stayed full for ``stall_s`` (its consumer hung)."""
+        """Detach ``stream`` once its consumer has taken nothing for ``stall_s`` seconds while
+        events waited for it (it hung)."""
 
-        def full() -> bool:
+        def waiting() -> tuple[bool, int]:
+            # (events wait, a count that moves when the consumer takes some)
             if isinstance(stream, EventBatches):
-                return stream.pending >= stream.max_buffer
+                return stream.pending > 0, stream.taken
             if isinstance(stream, MemoryObjectReceiveStream):
                 stats = stream.statistics()
-                return bool(stats.current_buffer_used >= stats.max_buffer_size)
-            return False
+                return bool(stats.current_buffer_used >= stats.max_buffer_size), 0
+            return False, 0
 
         step = min(1.0, stall_s / 4)
         with scope:
-            full_for = 0.0
+            stuck_for = 0.0
+            last = -1
+            step_ns = round(step * 1e9)
             while True:
-                await anyio.sleep(step)
-                full_for = full_for + step if full() else 0.0
-                if full_for >= stall_s:
+                await self.clock.sleep_until(self.clock.monotonic_ns() + step_ns)
+                pending, taken = waiting()
+                stuck_for = stuck_for + step if pending and taken == last else 0.0
+                last = taken
+                if stuck_for >= stall_s:
                     break
             self._consumer_fault(
                 name,
@@ -814,3 +853,4 @@ class Runtime:
                 "detached, what it had not written is lost",
             )
             await stream.aclose()
+            consumer_scope.cancel()

@@ -145,6 +145,8 @@ class SamplerProcess:
         self._failure: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self.attached = attach is not None
+        self._agent_pid = 0
+        self._agent_fd: int | None = None
         if attach is None:
             endpoint = f"ipc://{private_dir()}/a-{os.getpid()}-{os.urandom(4).hex()}.sock"
             sim_json = None
@@ -215,7 +217,6 @@ class SamplerProcess:
         # Attached: watch the agent, which is not our child (a pidfd becomes readable when it
         # exits, and cannot name a later process that reuses the pid).
         self._agent_pid = ready.agent_pid
-        self._agent_fd: int | None = None
         if attach is not None and ready.agent_pid:
             with contextlib.suppress(AttributeError, OSError):  # not Linux ≥ 5.3: no pidfd
                 self._agent_fd = os.pidfd_open(ready.agent_pid)

@@ -27,7 +27,7 @@ import msgspec
 from anyio.abc import ObjectReceiveStream
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from .._threads import or_on_this_thread, run_sync
+from .._threads import DaemonExecutor, or_on_this_thread, run_sync
 from ..clock import Clock, RealClock
 from ..errors import ConfigError
 from ..events import Event, EventEncoder
@@ -70,10 +70,13 @@ class _FileSink:
         close: Name of ``f``'s closing coroutine (``close`` for aiofiles, ``aclose`` for anyio).
     """
 
-    def __init__(self, f: Any, raw: Any, close: str) -> None:
+    def __init__(
+        self, f: Any, raw: Any, close: str, executor: DaemonExecutor | None = None
+    ) -> None:
         self._f = f
         self._raw = raw
         self._close = close
+        self._executor = executor
 
     async def _do(self, name: str, raw_name: str, *args: Any) -> None:
         await or_on_this_thread(
@@ -87,10 +90,22 @@ class _FileSink:
         await self._do("flush", "flush")
 
     async def fsync(self) -> None:
-        await run_sync(os.fsync, self._raw.fileno())
+        if self._executor is None:
+            await run_sync(os.fsync, self._raw.fileno())
+            return
+        fd = self._raw.fileno()
+        await or_on_this_thread(
+            lambda: asyncio.get_running_loop().run_in_executor(self._executor, os.fsync, fd),
+            os.fsync,
+            fd,
+        )
 
     async def aclose(self) -> None:
-        await self._do(self._close, "close")
+        try:
+            await self._do(self._close, "close")
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)
 
 
 def _under_asyncio() -> bool:
@@ -103,8 +118,11 @@ def _under_asyncio() -> bool:
 
 async def _open_sink(path: Path) -> _Sink:
     if _under_asyncio():
-        f: Any = await aiofiles.open(path, "wb")
-        return _FileSink(f, f._file, "close")  # aiofiles keeps the file it wraps in _file
+        # Its own daemon thread, in order: a hung write blocks neither the loop's shutdown nor
+        # the interpreter's exit (the default executor is joined at both).
+        executor = DaemonExecutor(f"zeus-async-write {path.name}")
+        f: Any = await aiofiles.open(path, "wb", executor=executor)
+        return _FileSink(f, f._file, "close", executor)  # aiofiles keeps the file in _file
     g = await anyio.open_file(path, "wb")
     return _FileSink(g, g.wrapped, "aclose")
 
@@ -162,6 +180,10 @@ class Recorder:
             header (``meta["part"]`` numbers it); :func:`recording_parts` lists them.
             ``None`` (default): one file.
         clock: Clock of the flush timer (default: the real clock).
+        write_timeout_s: Give up on a write (and the recording) that has not finished after
+            this many seconds: a hung file system or a target nobody reads. The recording then
+            ends at its last complete frame and :meth:`run` raises :class:`TimeoutError`; the
+            hung write's thread is abandoned. ``None`` (default): wait as long as it takes.
 
     Attributes:
         events_written: Events written in frames so far.
@@ -184,6 +206,7 @@ class Recorder:
         fsync_on_close: bool = True,
         rotate_bytes: int | None = None,
         clock: Clock | None = None,
+        write_timeout_s: float | None = None,
     ) -> None:
         if flush_events < 1:
             raise ConfigError(f"flush_events must be at least 1, got {flush_events!r}")
@@ -198,6 +221,8 @@ class Recorder:
         self.fsync_on_close = fsync_on_close
         self.rotate_bytes = rotate_bytes
         self.clock: Clock = clock or RealClock()
+        self.write_timeout_s = write_timeout_s
+        self._hung: str | None = None  # why the recording was given up (a write hung)
         self.events_written = 0
         self.frames_written = 0
         self.bytes_written = 0
@@ -236,20 +261,29 @@ class Recorder:
                     self._buf.extend(batch)
                     if len(self._buf) >= self.flush_events:
                         await self.flush()
+                    elif self._lock.locked():
+                        # The timer is writing: take nothing more until it is done, so a slow
+                        # or hung target backs events up in the stream (bounded, watched)
+                        # rather than in our buffer.
+                        async with self._lock:
+                            pass
                 tg.cancel_scope.cancel()
         finally:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await self.flush()
-                finally:
-                    await self._close_part()
-                    logger.debug(
-                        "recorded %d events in %d frames (%d bytes) to %s",
-                        self.events_written,
-                        self.frames_written,
-                        self.bytes_written,
-                        ", ".join(map(str, self.paths)),
-                    )
+            # Closing after a hung write would wait for it too: the file is left as it is.
+            if self._hung is None:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await self.flush()
+                    finally:
+                        if self._hung is None:
+                            await self._close_part()
+                logger.debug(
+                    "recorded %d events in %d frames (%d bytes) to %s",
+                    self.events_written,
+                    self.frames_written,
+                    self.bytes_written,
+                    ", ".join(map(str, self.paths)),
+                )
 
     async def _open_part(self) -> None:
         header = self.header if self.header is not None else default_header()
@@ -304,10 +338,22 @@ class Recorder:
         """
         if self._sink is None or self._lock is None:
             return
+        if self._hung is not None:
+            raise TimeoutError(self._hung)
         # Shielded: once events leave the buffer they must reach the file, even if the task
-        # that started the flush (the timer, cancelled at the end of the stream) is cancelled.
-        with anyio.CancelScope(shield=True):
+        # that started the flush (the timer, cancelled at the end of the stream) is cancelled;
+        # but not longer than write_timeout_s (a write that hangs never will).
+        with anyio.CancelScope(shield=True) as scope:
+            if self.write_timeout_s is not None:
+                scope.deadline = anyio.current_time() + self.write_timeout_s
             await self._flush_locked(self._lock)
+        if scope.cancelled_caught:
+            self._hung = (
+                f"writing {self.paths[-1]} made no progress for {self.write_timeout_s:g} s "
+                "(a hung file system, or a pipe nobody reads?); the recording was given up "
+                f"and ends at its last complete frame ({self.events_written} events)"
+            )
+            raise TimeoutError(self._hung)
 
     async def _flush_locked(self, lock: anyio.Lock) -> None:
         async with lock:

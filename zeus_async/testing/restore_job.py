@@ -1,6 +1,6 @@
 """A job that changes hardware settings, for restore tests and benchmarks.
 
-``python -m zeus_async.testing.restore_job [--record PATH] [--thread]``: opens a
+``python -m zeus_async.testing.restore_job [--record PATH] [--thread] [--print-windows]``: opens a
 :class:`~zeus_async.Monitor` on the node simulated by ``ZEUS_ASYNC_SIM``, caps every GPU's power
 limit to its minimum and locks GPU 0's SM clock (the two settings the optimizers change),
 prints ``capped <agent pid>`` and then measures one window after another until it is stopped.
@@ -22,6 +22,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--record", default=None)
     parser.add_argument("--thread", action="store_true", help="sampler='thread'")
+    parser.add_argument(
+        "--print-windows", action="store_true", help="wait for each window, print its energy"
+    )
     args = parser.parse_args()
     monitor = Monitor(
         backend="sim",
@@ -36,8 +39,10 @@ def main() -> None:
     agent = monitor._process._proc.pid if monitor._process and monitor._process._proc else 0
     print(f"capped {agent}", flush=True)  # noqa: T201
     while True:
-        with monitor.window("step"):
+        with monitor.window("step") as w:
             time.sleep(0.05)
+        if args.print_windows and w.result is not None:
+            print(f"window {w.result.total_energy:.3f} J", flush=True)  # noqa: T201
 
 
 if __name__ == "__main__":
