@@ -182,16 +182,6 @@ def _rank_gpus() -> list[int] | None:
         return None
 
 
-def _attached_gpus(asked: Sequence[int], available: Sequence[int]) -> list[int]:
-    unknown = [g for g in asked if g not in available]
-    if unknown:
-        raise ConfigError(
-            f"GPU index(es) {unknown} out of range: {len(available)} GPU(s) visible to this "
-            "process (CUDA_VISIBLE_DEVICES applies)"
-        )
-    return list(asked)
-
-
 class WindowContext:
     """Yielded by :meth:`Monitor.window`; ``result`` is set when the block ends."""
 
@@ -350,9 +340,8 @@ class Monitor(ClosedOnExit):
             )
             #: Port of the Prometheus endpoint (``None`` without one).
             self.prometheus_port: int | None = self._process.prometheus_port
+            # Attached: the agent checked and kept the GPUs asked for.
             self.gpu_indices: list[int] = list(self._process.gpu_indices)
-            if attach is not None and gpu_indices is not None:
-                self.gpu_indices = _attached_gpus(gpu_indices, self.gpu_indices)
             self.cpu_indices: list[int] = list(self._process.cpu_indices)
         else:
             consumers = list(runtime_options.pop("consumers", ()))
@@ -403,7 +392,8 @@ class Monitor(ClosedOnExit):
         if not isinstance(key, str):
             raise TypeError(f"window key must be a str, not {type(key).__name__} ({key!r})")
         self._check_open()
-        self._sync_devices(sync_execution)
+        if sync_execution and self._sync == "torch":
+            _torch_sync(self.gpu_indices)
         t_ns = time.time_ns()
         with self._lock:
             if key in self._open and not restart:
@@ -440,18 +430,21 @@ class Monitor(ClosedOnExit):
             ValueError: No window ``key`` is open.
         """
         self._check_open()
-        self._sync_devices(sync_execution)
+        if sync_execution and self._sync == "torch":
+            _torch_sync(self.gpu_indices)
         t_ns = time.time_ns()
         with self._lock:
             start_ns, window_id = pop_open_window(self._open, key)
             if self._process is None:
                 assert self._tracker is not None
                 return self._tracker.close(key, cancel=cancel, t_ns=t_ns)
-            self._process.send_edge(Edge(False, key, window_id, t_ns, cancel=cancel))
-        if cancel:
-            return WindowResult.cancelled_result(key, window_id, start_ns, t_ns)
-        result = WindowResult(key, window_id, start_ns, t_ns)
-        self._process.expect(result)
+            if cancel:
+                self._process.send_edge(Edge(False, key, window_id, t_ns, cancel=True))
+                return WindowResult.cancelled_result(key, window_id, start_ns, t_ns)
+            # Expected before the edge leaves, so its reply always finds the result.
+            result = WindowResult(key, window_id, start_ns, t_ns)
+            self._process.expect(result)
+            self._process.send_edge(Edge(False, key, window_id, t_ns))
         return result
 
     @contextmanager

@@ -113,6 +113,20 @@ def test_ranks_share_one_agent_and_leases_conflict(
 
 
 @pytest.mark.slow
+def test_attached_client_gets_its_gpus_checked_and_measured_alone(
+    node_agent: subprocess.Popen[str],
+) -> None:
+    with pytest.raises(ConfigError, match=r"GPU index\(es\) \[5\] out of range: 2 GPU"):
+        Monitor(gpu_indices=[5])
+    with Monitor(gpu_indices=[1]) as mon:
+        assert mon._process is not None and mon._process.attached
+        assert mon.gpu_indices == [1] and [d.key for d in mon.gpu_devices] == ["gpu:1"]
+        with mon.window("mine") as w:
+            time.sleep(0.05)
+        assert w.result is not None and set(w.result.methods) == {"gpu:1"}
+
+
+@pytest.mark.slow
 def test_agent_sigterm_restores_its_clients_settings(node_agent: subprocess.Popen[str]) -> None:
     with Monitor() as mon:
         mon.set_power_limit(400).result(timeout=30)

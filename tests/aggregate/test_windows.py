@@ -363,3 +363,26 @@ def test_a_widened_bracket_does_not_move_the_update_grid() -> None:
         # up to 7 ms (1.7 % of these windows) and, across the two-update stall, a whole
         # period (25 %).
         assert max(errors) < 0.002, (gap_end, until, max(errors))
+
+
+def test_window_measures_only_the_gpus_it_names() -> None:
+    clock = FakeClock(wall_start_ns=1_760_000_000_000_000_000)
+    devices = [DeviceInfo(f"gpu:{g}", "sim", has_energy_counter=True) for g in range(3)]
+    tracker = WindowTracker(clock, "h", devices)
+    t0 = clock.wall_ns()
+    for i in range(101):  # 1 s, each GPU at a steady (g + 1) * 100 W
+        for g in range(3):
+            energy = (g + 1) * 100.0 * i / 100
+            tracker.add(
+                GpuSample("h", t0 + i * 10 * MS, g, power_w=(g + 1) * 100.0, energy_j=energy)
+            )
+    tracker.open("one", t_ns=t0 + 100 * MS, gpus=frozenset({1}))
+    tracker.open("all", t_ns=t0 + 100 * MS)
+    only = tracker.close("one", t_ns=t0 + 600 * MS)
+    every = tracker.close("all", t_ns=t0 + 600 * MS)
+    clock.set_ns(1 * 10**9)
+    tracker.pump()
+    assert only.done() and every.done()
+    assert only.gpu_energy == pytest.approx({1: 100.0})
+    assert set(only.methods) == {"gpu:1"}
+    assert every.gpu_energy == pytest.approx({0: 50.0, 1: 100.0, 2: 150.0})

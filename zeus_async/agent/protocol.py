@@ -70,6 +70,8 @@ class Hello(msgspec.Struct, tag="hello", array_like=True):
     #: The client's ``CUDA_VISIBLE_DEVICES`` (``None``: unset), so its GPU indices can be
     #: mapped onto the agent's.
     cuda_visible: str | None = None
+    #: The GPUs (the client's indices) its windows measure; ``None``: every GPU it sees.
+    gpus: list[int] | None = None
 
 
 class Edge(msgspec.Struct, tag="edge", array_like=True):

@@ -77,7 +77,7 @@ def _node_lock() -> Iterator[bool]:
 
 
 class _Client:
-    __slots__ = ("create_time", "ident", "label", "log", "name", "pid", "visible")
+    __slots__ = ("create_time", "ident", "label", "log", "measured", "name", "pid", "visible")
 
     def __init__(self, ident: bytes, hello: Hello, visible: list[int] | None) -> None:
         self.ident = ident
@@ -90,6 +90,9 @@ class _Client:
             self.create_time = None
         # The client's GPU i is the agent's GPU visible[i] (None: the same indices).
         self.visible = visible
+        # The agent's GPUs its windows measure (None: all): only its own, not every GPU of
+        # the node, so a node's window work grows with its ranks' windows, not ranks x GPUs.
+        self.measured: frozenset[int] | None = None
 
     def alive(self) -> bool:
         try:
@@ -172,7 +175,6 @@ class Agent:
         if not self.private:
             visible = self._visible_for(hello.cuda_visible)
         client = _Client(ident, hello, visible)
-        self.clients[ident] = client
         tracker = self.rt.tracker
         assert tracker is not None
         gpus = sorted(tracker.gpu_indices)
@@ -185,6 +187,17 @@ class Agent:
                 for i, a in enumerate(visible)
                 if f"gpu:{a}" in by_key
             ]
+        if hello.gpus is not None:
+            unknown = [g for g in hello.gpus if g not in gpus]
+            if unknown:
+                raise ConfigError(
+                    f"GPU index(es) {unknown} out of range: {len(gpus)} GPU(s) visible to this "
+                    "process (CUDA_VISIBLE_DEVICES applies)"
+                )
+            gpus = sorted(set(hello.gpus))
+            devices = [d for d in devices if int(d.key[4:]) in gpus]
+            client.measured = frozenset(client.to_agent(gpus) or [])
+        self.clients[ident] = client
         endpoint = self.rt.publisher.endpoint if self.rt.publisher is not None else None
         self.send(
             ident,
@@ -268,7 +281,13 @@ class Agent:
         try:
             if msg.open:
                 agent_id = next(self._ids)
-                tracker.open(key, restart=msg.restart, t_ns=msg.t_ns, window_id=agent_id)
+                tracker.open(
+                    key,
+                    restart=msg.restart,
+                    t_ns=msg.t_ns,
+                    window_id=agent_id,
+                    gpus=client.measured,
+                )
                 self.windows[agent_id] = (ident, msg.id, msg.name)
             else:
                 result = tracker.close(key, cancel=msg.cancel, t_ns=msg.t_ns)

@@ -23,7 +23,7 @@ import collections
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import anyio
@@ -115,7 +115,8 @@ class WindowResult:
         self._error: BaseException | None = None
         # Called once before a reader first blocks on an unresolved result: a producer that
         # defers work nobody is waiting for (the sampler process's parent) hurries it along.
-        self._on_wait: Callable[[], None] | None = None
+        # Called with this result.
+        self._on_wait: Callable[[WindowResult], None] | None = None
 
     @property
     def time(self) -> float:
@@ -149,7 +150,7 @@ class WindowResult:
         on_wait = self._on_wait
         if on_wait is not None and not self._done:
             self._on_wait = None
-            on_wait()
+            on_wait(self)
 
     def _resolve(self, measurement: Measurement) -> None:
         with _RESOLVED:
@@ -220,11 +221,14 @@ class WindowResult:
 
 
 class _Closed:
-    __slots__ = ("deadline_ns", "result")
+    __slots__ = ("deadline_ns", "gpus", "result")
 
-    def __init__(self, result: WindowResult, deadline_ns: int) -> None:
+    def __init__(
+        self, result: WindowResult, deadline_ns: int, gpus: frozenset[int] | None = None
+    ) -> None:
         self.result = result
         self.deadline_ns = deadline_ns
+        self.gpus = gpus
 
 
 class WindowTracker:
@@ -270,6 +274,8 @@ class WindowTracker:
             elif kind == "cpu":
                 self.cpu_packages.append(int(num))
         self._open: dict[str, tuple[int, int]] = {}
+        # Open windows that measure some GPUs only (id -> GPU indices).
+        self._gpus: dict[int, frozenset[int]] = {}
         self._open_lock = threading.Lock()
         self._edges: collections.deque[Event] = collections.deque()
         self._closed: list[_Closed] = []
@@ -288,8 +294,12 @@ class WindowTracker:
         restart: bool = False,
         t_ns: int | None = None,
         window_id: int | None = None,
+        gpus: frozenset[int] | None = None,
     ) -> int:
-        """Open window ``name``; returns its id. Raises ``ValueError`` if already open."""
+        """Open window ``name``; returns its id. Raises ``ValueError`` if already open.
+
+        ``gpus``: the GPUs the window measures (CPU packages always); ``None``: every GPU.
+        """
         t = self.clock.wall_ns() if t_ns is None else t_ns
         with self._open_lock:
             if name in self._open:
@@ -304,6 +314,8 @@ class WindowTracker:
             if window_id is None:
                 window_id = next(_window_ids)
             self._open[name] = (t, window_id)
+            if gpus is not None:
+                self._gpus[window_id] = gpus
         self._edges.append(WindowOpen(self.host, t, name, window_id))
         return window_id
 
@@ -312,12 +324,13 @@ class WindowTracker:
         t = self.clock.wall_ns() if t_ns is None else t_ns
         with self._open_lock:
             start, window_id = pop_open_window(self._open, name)
+            gpus = self._gpus.pop(window_id, None) if self._gpus else None
         self._edges.append(WindowClose(self.host, t, name, window_id, cancelled=cancel))
         if cancel:
             return WindowResult.cancelled_result(name, window_id, start, t, host=self.host)
         result = WindowResult(name, window_id, start, t)
         with self._closed_lock:
-            self._closed.append(_Closed(result, t + self._timeout_ns))
+            self._closed.append(_Closed(result, t + self._timeout_ns, gpus))
         return result
 
     @property
@@ -369,7 +382,7 @@ class WindowTracker:
                 ready = [
                     c
                     for c in self._closed
-                    if force or now >= c.deadline_ns or self._complete(c.result)
+                    if force or now >= c.deadline_ns or self._complete(c)
                 ]
                 if ready:
                     self._closed = [c for c in self._closed if c not in ready]
@@ -382,7 +395,7 @@ class WindowTracker:
             self._trim(now)
 
     def _finish(self, item: _Closed) -> Measurement:
-        measurement = self._measure(item.result)
+        measurement = self._measure(item.result, item.gpus)
         item.result._resolve(measurement)
         if self.on_result is not None:
             self.on_result(measurement)
@@ -400,22 +413,32 @@ class WindowTracker:
             self._closed.remove(item)
         return self._finish(item)
 
-    def _complete(self, result: WindowResult) -> bool:
-        for history in self.histories.values():
-            if history.lost_at_ns is not None and history.lost_at_ns <= result.end_ns:
+    def _measured(self, gpus: frozenset[int] | None) -> Iterator[tuple[str, DeviceHistory]]:
+        """The histories a window measures: every one, or ``gpus``' and every CPU's."""
+        if gpus is None:
+            yield from self.histories.items()
+            return
+        for key, history in self.histories.items():
+            if not key.startswith("gpu:") or int(key[4:]) in gpus:
+                yield key, history
+
+    def _complete(self, item: _Closed) -> bool:
+        end_ns = item.result.end_ns
+        for _, history in self._measured(item.gpus):
+            if history.lost_at_ns is not None and history.lost_at_ns <= end_ns:
                 continue
-            if not history.covers(result.end_ns):
+            if not history.covers(end_ns):
                 return False
         return True
 
-    def _measure(self, result: WindowResult) -> Measurement:
+    def _measure(self, result: WindowResult, gpus: frozenset[int] | None = None) -> Measurement:
         t0, t1 = result.start_ns, result.end_ns
         gpu: dict[int, float] = {}
         cpu: dict[int, float] = {}
         dram: dict[int, float] = {}
         methods: dict[str, str] = {}
         lost: list[str] = []
-        for key, history in self.histories.items():
+        for key, history in self._measured(gpus):
             estimate = history.energy(t0, t1)
             if history.lost_at_ns is not None and history.lost_at_ns <= t1:
                 lost.append(key)

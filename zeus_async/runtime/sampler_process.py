@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import logging
 import os
 import shutil
@@ -50,7 +49,7 @@ from ..agent.protocol import (
 )
 from ..aggregate.windows import WindowResult
 from ..errors import ConfigError
-from ..events import DeviceInfo, Event, Measurement
+from ..events import DeviceInfo, Event
 from .processes import ProcessTracking
 
 __all__ = ["Edge", "SamplerProcess"]
@@ -140,6 +139,7 @@ class SamplerProcess:
         # Reentrant: a signal handler may restore limits or clocks (a control request) while
         # the code it interrupted on this thread holds the lock.
         self._pending_lock = threading.RLock()
+        self._hurry_cb = self._hurry_result  # bound once: set on every window's result
         self._stopped = False
         self._bye = threading.Event()
         self._failure: str | None = None
@@ -193,6 +193,8 @@ class SamplerProcess:
             os.getpid(),
             name or _default_name(),
             os.environ.get("CUDA_VISIBLE_DEVICES") if attach is not None else None,
+            # Attached: the agent measures these GPUs only (it samples all of them anyway).
+            gpus=list(gpus) if attach is not None and gpus is not None else None,
         )
         self._sock.send(self._enc.encode(hello))
         try:
@@ -207,13 +209,6 @@ class SamplerProcess:
         self.endpoint = ready.endpoint
         self.devices: list[DeviceInfo] = ready.devices
         self.prometheus_port: int | None = ready.prometheus_port
-        # Attached to a node agent, whose measurements cover every GPU this process sees:
-        # keep the ones asked for.
-        self._only: set[int] | None = None
-        if attach is not None and gpus is not None:
-            self._only = set(gpus)
-            self.gpu_indices = [g for g in self.gpu_indices if g in self._only]
-            self.devices = [d for d in self.devices if int(d.key[4:]) in self._only]
         # Attached: watch the agent, which is not our child (a pidfd becomes readable when it
         # exits, and cannot name a later process that reuses the pid).
         self._agent_pid = ready.agent_pid
@@ -277,14 +272,17 @@ class SamplerProcess:
         closing edge is sent without waiting for the next idle wake-up, and its reply is read
         as soon as it comes.
         """
-        with self._pending_lock:
-            if self._failure is not None:
-                result._fail(RuntimeError(self._failure))
-                return
-            result._on_wait = functools.partial(self._hurry, result.window_id)
-            self._pending[result.window_id] = result
+        # On the caller's thread at every window end, so no lock: one dict store (atomic), then
+        # the failure check. _fail_all sets _failure before it takes the dict, so a result
+        # stored after that is failed here (failing twice is harmless), and one stored before
+        # is in the dict it fails.
+        result._on_wait = self._hurry_cb
+        self._pending[result.window_id] = result
+        if self._failure is not None:
+            result._fail(RuntimeError(self._failure))
 
-    def _hurry(self, window_id: int) -> None:
+    def _hurry_result(self, result: WindowResult) -> None:
+        window_id = result.window_id
         with self._pending_lock:
             if window_id not in self._pending:
                 return  # resolved meanwhile
@@ -429,8 +427,6 @@ class SamplerProcess:
             except (zmq.ZMQError, msgspec.DecodeError):
                 return False
             if reply.kind == "measurement" and reply.measurement is not None:
-                if self._only is not None:
-                    reply.measurement = _only_gpus(reply.measurement, self._only)
                 with self._pending_lock:
                     result = self._pending.pop(reply.measurement.window_id, None)
                     self._hurried.discard(reply.measurement.window_id)
@@ -509,13 +505,3 @@ class SamplerProcess:
 def _default_name() -> str:
     rank = os.environ.get("RANK")
     return f"rank{rank}" if rank is not None else f"pid{os.getpid()}"
-
-
-def _only_gpus(m: Measurement, gpus: set[int]) -> Measurement:
-    return msgspec.structs.replace(
-        m,
-        gpu_energy_j={g: e for g, e in m.gpu_energy_j.items() if g in gpus},
-        methods={
-            k: v for k, v in m.methods.items() if not k.startswith("gpu:") or int(k[4:]) in gpus
-        },
-    )
