@@ -380,9 +380,7 @@ class WindowTracker:
         if self._closed:
             with self._closed_lock:
                 ready = [
-                    c
-                    for c in self._closed
-                    if force or now >= c.deadline_ns or self._complete(c)
+                    c for c in self._closed if force or now >= c.deadline_ns or self._complete(c)
                 ]
                 if ready:
                     self._closed = [c for c in self._closed if c not in ready]
