@@ -57,6 +57,7 @@ def add_parsers(sub: Any, positive_float: Callable[[str], float]) -> None:
     exp.add_argument("--format", choices=("csv", "jsonl"), required=True)
     exp.add_argument("-o", "--output", default="-", help="output file (default: stdout)")
     exp.add_argument("--kind", action="append", default=None, help="event kind (repeatable)")
+    exp.add_argument("--force", action="store_true", help="overwrite an existing output file")
 
     rep = sub.add_parser("replay", help="replay a recording into the pipeline")
     rep.add_argument("file")
@@ -72,6 +73,7 @@ def add_parsers(sub: Any, positive_float: Callable[[str], float]) -> None:
         help="with --publish: wait up to S s for a subscriber before starting",
     )
     rep.add_argument("--record", metavar="FILE", help="record the replayed stream to FILE")
+    rep.add_argument("--force", action="store_true", help="overwrite an existing --record file")
 
     rec = sub.add_parser("record", help="record a remote stream to a file")
     rec.add_argument("endpoints", nargs="+", metavar="ENDPOINT")
@@ -83,11 +85,13 @@ def add_parsers(sub: Any, positive_float: Callable[[str], float]) -> None:
     rec.add_argument(
         "--wait", type=positive_float, default=10.0, help="give up if no publisher answers (s)"
     )
+    rec.add_argument("--force", action="store_true", help="overwrite an existing recording")
 
     plo = sub.add_parser("plot", help="draw per-GPU power over time, windows shaded (PNG)")
     plo.add_argument("file")
     plo.add_argument("-o", "--output", required=True, help="image file (.png, .svg, .pdf)")
     plo.add_argument("--title", default=None)
+    plo.add_argument("--force", action="store_true", help="overwrite an existing image")
 
 
 def _progress(label: str) -> Any:
@@ -175,8 +179,11 @@ async def _inspect(args: argparse.Namespace, out: TextIO) -> int:
 
 async def _export(args: argparse.Namespace, out: TextIO) -> int:
     from .store.analysis import export_csv, export_jsonl
+    from .store.outputs import claim_output
 
     fn = export_csv if args.format == "csv" else export_jsonl
+    if args.output != "-":
+        claim_output(args.output, inputs=[args.file], overwrite=args.force, what="export")
     progress = _progress(f"exporting {args.format}") if args.output != "-" else None
     n = await anyio.to_thread.run_sync(
         lambda: fn(args.file, args.output, kinds=args.kind, progress=progress)
@@ -192,8 +199,13 @@ async def _replay(args: argparse.Namespace, out: TextIO) -> int:
     from .cli import render_totals
     from .runtime import Runtime
     from .store import RecordingReader
+    from .store.outputs import claim_output
     from .store.replay import Replayer
 
+    if args.record is not None:
+        claim_output(
+            args.record, inputs=[args.file], overwrite=args.force, what="recording", recording=True
+        )
     reader = RecordingReader(args.file)
     totals = LiveTotals()
     windows = ReplayedWindows(reader.header.devices)
@@ -209,6 +221,7 @@ async def _replay(args: argparse.Namespace, out: TextIO) -> int:
         host=reader.header.host or "replay",
         publish=args.publish,
         record=args.record,
+        overwrite=args.force,
         consumers=[consume],
     )
     pace = "as fast as possible" if args.speed is None else f"at {args.speed:g}x"
@@ -251,6 +264,7 @@ async def _record(args: argparse.Namespace, out: TextIO) -> int:
     from .bus import Subscriber
     from .runtime.hub import EventBatches
     from .store import Recorder, RecordingHeader
+    from .store.outputs import claim_output
 
     topics = args.topic or [""]
     count = 0
@@ -258,6 +272,7 @@ async def _record(args: argparse.Namespace, out: TextIO) -> int:
     if not folder.is_dir():
         # Said now, not after waiting for a publisher and its first events.
         raise ConfigError(f"cannot write {args.output}: no directory {folder}")
+    claim_output(args.output, overwrite=args.force, what="recording", recording=True)
     start_ns = time.time_ns()
     async with Subscriber(args.endpoints, topics=topics) as sub:
         await wait_for_publisher(sub, args.endpoints, args.wait)
@@ -273,7 +288,7 @@ async def _record(args: argparse.Namespace, out: TextIO) -> int:
             compression="zstd",
         )
         rotate = None if args.rotate_mb is None else round(args.rotate_mb * 1e6)
-        recorder = Recorder(args.output, header=header, rotate_bytes=rotate)
+        recorder = Recorder(args.output, header=header, rotate_bytes=rotate, overwrite=args.force)
         batches = EventBatches(65536)
         out.write(f"zeus-async record: {', '.join(args.endpoints)} -> {args.output}\n")
         out.flush()
@@ -303,7 +318,7 @@ async def _plot(args: argparse.Namespace, out: TextIO) -> int:
     from .store.plot import plot_power
 
     path = await anyio.to_thread.run_sync(
-        lambda: plot_power(args.file, args.output, title=args.title)
+        lambda: plot_power(args.file, args.output, title=args.title, overwrite=args.force)
     )
     out.write(f"wrote {path}\n")
     return 0

@@ -110,6 +110,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     mon.add_argument("--publish", metavar="ENDPOINT", help="also publish on a ZeroMQ endpoint")
     mon.add_argument("--record", metavar="FILE", help="also record every event to FILE")
+    mon.add_argument("--force", action="store_true", help="overwrite an existing --record file")
     mon.add_argument("--duration", type=_positive_float, default=None, help="stop after S s")
     mon.add_argument("--refresh", type=_positive_float, default=0.5, help="table refresh (s)")
     mon.add_argument("--sim-config", default=None, help="simulator config: JSON text or file")
@@ -150,6 +151,7 @@ def _build_parser() -> argparse.ArgumentParser:
     agt.add_argument("--adaptive", action="store_true", help="adaptive reads (see monitor)")
     agt.add_argument("--publish", metavar="ENDPOINT", help="also publish on a ZeroMQ endpoint")
     agt.add_argument("--record", metavar="FILE", help="also record every event to FILE")
+    agt.add_argument("--force", action="store_true", help="overwrite an existing --record file")
     agt.add_argument(
         "--exit-when-idle",
         type=_positive_float,
@@ -222,6 +224,13 @@ def demo_sim_config() -> Any:
     )
 
 
+def describe_error(exc: BaseException) -> str:
+    """One line for the user: ``path: reason`` for a file error, else the message."""
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc)
+
+
 async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
     from .runtime import Runtime
 
@@ -236,6 +245,10 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
     sim_config = _sim_config(args.sim_config)
     if sim_config is None and not os.environ.get("ZEUS_ASYNC_SIM"):
         sim_config = demo_sim_config()
+    if args.record is not None:
+        from .store.outputs import claim_output
+
+        claim_output(args.record, overwrite=args.force, what="recording", recording=True)
     command = _cli_processes.command_of(args)
     child = _cli_processes.start_command(command) if command else None
     code = EXIT_OK
@@ -250,6 +263,7 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
             sim_config=sim_config,
             consumers=[consume],
             record=args.record,
+            overwrite=args.force,
             processes=_cli_processes.tracking_from_args(args, child.pid if child else None),
             prometheus_port=args.prometheus_port,
         )
@@ -388,10 +402,15 @@ def _agent(args: argparse.Namespace, out: TextIO) -> int:
             adaptive_reads=args.adaptive,
             publish=args.publish,
             record=args.record,
+            overwrite=args.force,
             exit_when_idle_s=args.exit_when_idle,
         )
+        if args.record is not None:
+            from .store.outputs import claim_output
+
+            claim_output(args.record, overwrite=args.force, what="recording", recording=True)
     except (ZeusAsyncError, OSError) as exc:
-        sys.stderr.write(f"zeus-async agent: {exc}\n")
+        sys.stderr.write(f"zeus-async agent: {describe_error(exc)}\n")
         return EXIT_ERROR
     code = serve(cfg, ready_line=True)
     if code == EXIT_AGENT_RUNNING:
@@ -435,7 +454,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             sys.stderr.write(f"zeus-async {args.command}: {exc}\n")
             return 130
         if isinstance(exc, (CliError, ZeusAsyncError, OSError)):
-            sys.stderr.write(f"zeus-async {args.command}: {exc}\n")
+            sys.stderr.write(f"zeus-async {args.command}: {describe_error(exc)}\n")
             return EXIT_ERROR
         if os.environ.get("ZEUS_ASYNC_DEBUG"):
             raise

@@ -55,6 +55,7 @@ from .model_complexity import ModelComplexity, model_complexity
 from .runtime import EmbeddedRuntime, ProcessTracking
 from .runtime.runtime import output_stall_s
 from .runtime.sampler_process import Edge, SamplerProcess
+from .store.outputs import claim_output
 
 __all__ = ["Monitor", "ProfilingResult", "WindowContext", "window_log_consumer"]
 
@@ -222,7 +223,10 @@ class Monitor(ClosedOnExit):
         sampler: ``"process"`` (default: sample in a child process, no GIL sharing) or
             ``"thread"`` (sample on a thread of this process).
         record: Write every sample, window edge and measurement to this recording file
-            (:mod:`zeus_async.store`; read it with ``RecordingReader``).
+            (:mod:`zeus_async.store`; read it with ``RecordingReader``). An existing recording
+            is refused (:class:`FileExistsError`) unless ``overwrite=True``.
+        overwrite: Let ``record`` replace an existing recording (its old rotated parts
+            are removed too).
         processes: Per-process metrics (:class:`~zeus_async.runtime.ProcessTracking`;
             ``True`` = this process and its descendants, every second): CPU, memory and
             attributed CPU/DRAM/GPU power, as :class:`~zeus_async.events.ProcessSample`
@@ -266,6 +270,7 @@ class Monitor(ClosedOnExit):
         finalize_timeout_s: float = 0.5,
         sampler: str = "process",
         record: str | Path | None = None,
+        overwrite: bool = False,
         processes: ProcessTracking | bool | None = None,
         model: Any = None,
         input_size: Sequence[int] | None = None,
@@ -309,6 +314,14 @@ class Monitor(ClosedOnExit):
                 )
             _check_output_path("record", record)
             _check_output_path("log_file", log_file)
+            if record is not None:
+                claim_output(
+                    record,
+                    overwrite=overwrite,
+                    what="recording",
+                    recording=True,
+                    force_hint="overwrite=True",
+                )
             private_only = (
                 record is not None
                 or publish is not None
@@ -333,6 +346,7 @@ class Monitor(ClosedOnExit):
                 log_file=log_file,
                 finalize_timeout_s=finalize_timeout_s,
                 record=record,
+                overwrite=overwrite,
                 processes=tracking,
                 meta=run_meta,
                 prometheus_port=prometheus_port,
@@ -357,6 +371,7 @@ class Monitor(ClosedOnExit):
                 finalize_timeout_s=finalize_timeout_s,
                 consumers=consumers,
                 record=record,
+                overwrite=overwrite,
                 processes=tracking,
                 meta=run_meta,
                 prometheus_port=prometheus_port,

@@ -53,6 +53,7 @@ class AgentConfig(msgspec.Struct, frozen=True):
     sim_config: str | None = None
     owner_pid: int = 0
     record: str | None = None
+    overwrite: bool = False
     processes: ProcessTracking | None = None
     meta: dict[str, str] = {}
     prometheus_port: int | None = None

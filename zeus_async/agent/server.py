@@ -394,6 +394,7 @@ async def _run_runtime(
             windows=True,
             finalize_timeout_s=cfg.finalize_timeout_s,
             record=cfg.record,
+            overwrite=cfg.overwrite,
             processes=processes,
             meta=cfg.meta,
             prometheus_port=cfg.prometheus_port,

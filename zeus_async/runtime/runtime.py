@@ -126,7 +126,9 @@ class Runtime:
             :attr:`tracker`); costs a few microseconds per sample, so it is opt-in.
         finalize_timeout_s: Bound on how long a window's energy waits for post-edge data.
         record: Write every event to this recording file (lossless consumer, see
-            :mod:`zeus_async.store`), with the devices in its header.
+            :mod:`zeus_async.store`), with the devices in its header. An existing recording
+            is refused (:class:`FileExistsError`) unless ``overwrite``.
+        overwrite: Let ``record`` replace an existing recording (and drop its old parts).
         rapl_root: powercap sysfs root.
         processes: Track processes (:class:`~.processes.ProcessTracking`; ``True`` = this
             process and its descendants, every second): publishes
@@ -161,6 +163,7 @@ class Runtime:
         windows: bool = False,
         finalize_timeout_s: float = 0.5,
         record: str | os.PathLike[str] | None = None,
+        overwrite: bool = False,
         processes: ProcessTracking | bool | None = None,
         process_source: ProcessSource | None = None,
         meta: Mapping[str, str] | None = None,
@@ -207,6 +210,7 @@ class Runtime:
         self._finalize_timeout_s = finalize_timeout_s
         self.tracker: WindowTracker | None = None
         self._record = record
+        self._overwrite = overwrite
         self._meta = dict(meta or {})
         self.recorder: Any | None = None
         if processes is True:
@@ -261,6 +265,7 @@ class Runtime:
                     header=header,
                     clock=self.clock,
                     write_timeout_s=output_stall_s(),
+                    overwrite=self._overwrite,
                 )
                 self.start_consumer(
                     self.recorder.run, max_buffer=16384, batched=True, isolate="recorder"

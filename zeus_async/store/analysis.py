@@ -725,7 +725,7 @@ def _events(reader: RecordingReader, kinds: str | Collection[str] | None) -> Ite
 
 
 @contextmanager
-def _open_out(path_out: _PathLike) -> Iterator[IO[bytes]]:
+def _open_out(path_out: _PathLike, path_in: _PathLike) -> Iterator[IO[bytes]]:
     if os.fspath(path_out) == "-":
         stream = sys.stdout.buffer
         try:
@@ -733,6 +733,10 @@ def _open_out(path_out: _PathLike) -> Iterator[IO[bytes]]:
         finally:
             stream.flush()
     else:
+        from .outputs import claim_output
+
+        # Never the recording being read (or one of its parts): truncating it while it is read.
+        claim_output(path_out, inputs=[path_in], overwrite=True, what="export")
         with Path(path_out).open("wb") as f:
             yield f
 
@@ -751,7 +755,8 @@ def export_jsonl(
 
     Args:
         path_in: The recording.
-        path_out: Output file (truncated), or ``"-"`` for standard output.
+        path_out: Output file (truncated; never the recording or one of its parts: that is
+            a ``ConfigError``), or ``"-"`` for standard output.
         kinds: Export only these event tags (``"gpu"``, ``"measurement"``, ...).
         progress: ``progress(done_bytes, total_bytes)`` over the input file.
 
@@ -765,7 +770,7 @@ def export_jsonl(
     events = _events(reader, kinds)
     ticker = ProgressTicker(reader, progress)
     written = 0
-    with _open_out(path_out) as out:
+    with _open_out(path_out, path_in) as out:
         for event in events:
             out.write(event_to_json(event) + b"\n")
             written += 1
@@ -835,7 +840,8 @@ def export_csv(
 
     Args:
         path_in: The recording.
-        path_out: Output file (truncated), or ``"-"`` for standard output.
+        path_out: Output file (truncated; never the recording or one of its parts: that is
+            a ``ConfigError``), or ``"-"`` for standard output.
         kinds: Export only these event tags (``"gpu"``, ``"rapl"``, ...).
         progress: ``progress(done_bytes, total_bytes)`` over the input file.
 
@@ -860,7 +866,7 @@ def export_csv(
         ]
     ticker = ProgressTicker(reader, progress)
     written = 0
-    with _open_out(path_out) as out:
+    with _open_out(path_out, path_in) as out:
         text = io.TextIOWrapper(out, encoding="utf-8", newline="")
         try:
             writer = csv.writer(text, lineterminator="\n")

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..events import GpuSample, Measurement, PowerLimitChange, WindowClose, WindowOpen
+from .outputs import claim_output
 from .reader import RecordingReader, RecoveryReport
 
 if TYPE_CHECKING:
@@ -355,12 +356,15 @@ def plot_power(
     title: str | None = None,
     gpus: Collection[int] | None = None,
     dpi: int = 120,
+    overwrite: bool = False,
 ) -> Path:
     """Draw per-GPU power over time, with measurement windows and power limits, to an image.
 
     Args:
         recording: The recording file (written by ``Recorder``, ``monitor --record``, ...).
-        out: The image to write; the format follows the suffix (``.png``, ``.svg``, ``.pdf``).
+        out: The image to write; the format follows the suffix (``.png``, ``.svg``, ``.pdf``;
+            none: ``.png`` is added). An existing file is refused unless ``overwrite``; the
+            recording itself (or a part of it) always is.
         title: Figure title; default: host and start time of the recording.
         gpus: Plot only these GPU indices; ``None`` = every GPU in the recording.
         dpi: Resolution of raster output.
@@ -383,6 +387,22 @@ def plot_power(
         raise ConfigError(_MISSING_MPL) from exc
     if dpi < 1:
         raise ConfigError(f"dpi must be at least 1, got {dpi!r}")
+    path = Path(out)
+    if not path.suffix:
+        path = path.with_name(path.name + ".png")
+    claim_output(
+        path,
+        inputs=[recording],
+        overwrite=overwrite,
+        what="image",
+        force_hint="--force or overwrite=True",
+    )
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:
+        raise ConfigError(
+            f"cannot draw {path}: unknown image format {path.suffix!r} "
+            f"(use one of {', '.join('.' + f for f in sorted(formats))})"
+        )
 
     reader = RecordingReader(recording)
     data = _read(reader)
@@ -541,7 +561,6 @@ def plot_power(
         ax.set_title(note, fontsize="small", color="#b2182b", loc="right")
         logger.warning("plotting %s: %s", reader.path, note)
 
-    path = Path(out)
     fig.savefig(path, dpi=dpi)
     logger.info("wrote %s (%d GPU(s), %d window(s))", path, len(plotted), len(spans))
     return path

@@ -169,7 +169,8 @@ class Recorder:
     """Writes every event of a stream to a recording file.
 
     Args:
-        path: File to create (truncated if it exists).
+        path: File to create. An existing file (or rotated part of one) is refused with
+            :class:`FileExistsError` unless ``overwrite`` is true.
         header: Run metadata; default: this process (:func:`~.format.default_header`).
         flush_events: Write a frame once this many events are buffered.
         flush_interval_s: Write a frame once this long has passed since the first buffered
@@ -184,6 +185,8 @@ class Recorder:
             this many seconds: a hung file system or a target nobody reads. The recording then
             ends at its last complete frame and :meth:`run` raises :class:`TimeoutError`; the
             hung write's thread is abandoned. ``None`` (default): wait as long as it takes.
+        overwrite: Replace an existing recording at ``path``, dropping its old rotated parts
+            (which would otherwise read as the continuation of the new one).
 
     Attributes:
         events_written: Events written in frames so far.
@@ -194,6 +197,7 @@ class Recorder:
     Raises:
         ConfigError: ``flush_events < 1``, ``flush_interval_s <= 0`` or ``rotate_bytes`` too
             small to hold a header.
+        FileExistsError: ``path`` exists and ``overwrite`` is false.
     """
 
     def __init__(
@@ -207,6 +211,7 @@ class Recorder:
         rotate_bytes: int | None = None,
         clock: Clock | None = None,
         write_timeout_s: float | None = None,
+        overwrite: bool = False,
     ) -> None:
         if flush_events < 1:
             raise ConfigError(f"flush_events must be at least 1, got {flush_events!r}")
@@ -214,7 +219,15 @@ class Recorder:
             raise ConfigError(f"flush_interval_s must be positive, got {flush_interval_s!r}")
         if rotate_bytes is not None and rotate_bytes < 4096:
             raise ConfigError(f"rotate_bytes must be at least 4096, got {rotate_bytes!r}")
-        self.path = Path(path)
+        from .outputs import claim_output
+
+        self.path = claim_output(
+            path,
+            overwrite=overwrite,
+            what="recording",
+            recording=True,
+            force_hint="overwrite=True",
+        )
         self.header = header
         self.flush_events = flush_events
         self.flush_interval_s = flush_interval_s
@@ -430,7 +443,8 @@ def write_recording(
     """Write ``events`` to a new recording synchronously (tests, benchmarks, converters).
 
     Args:
-        path: File to create (truncated if it exists).
+        path: File to create. An existing file (or rotated part of one) is refused with
+            :class:`FileExistsError` unless ``overwrite`` is true.
         events: Events, in the order to record them.
         header: Run metadata; default: this process.
         events_per_frame: Events per frame (the last frame may hold fewer).
