@@ -110,7 +110,7 @@ def _when(t_ns: int) -> str:
 
 
 async def _inspect(args: argparse.Namespace, out: TextIO) -> int:
-    from .store import RecordingReader, recording_parts
+    from .store import RecordingReader
     from .store.analysis import Recording
 
     reader = RecordingReader(args.file)
@@ -120,10 +120,10 @@ async def _inspect(args: argparse.Namespace, out: TextIO) -> int:
     )
     h = reader.header
     w = out.write
-    w(f"recording   {args.file} ({reader.path.stat().st_size / 1e6:.2f} MB)\n")
-    parts = recording_parts(args.file)
+    w(f"recording   {args.file} ({reader.size_bytes / 1e6:.2f} MB)\n")
+    parts = reader.parts
     if len(parts) > 1:
-        w(f"parts       {len(parts)}: {', '.join(p.name for p in parts)}\n")
+        w(f"parts       {len(parts)}, read in order: {', '.join(p.name for p in parts)}\n")
     w(f"format      v{reader.format_version}, schema v{reader.schema_version}, ")
     w(f"compression {h.compression}\n")
     w(f"host        {h.host}  pid {h.pid}  started {_when(h.start_wall_ns)}\n")
@@ -142,7 +142,13 @@ async def _inspect(args: argparse.Namespace, out: TextIO) -> int:
     w(f"frames      {report.frames_ok}, events {report.events_ok} ({state})\n")
     if report.torn_tail_offset is not None:
         w(
-            f"torn tail   {report.torn_tail_bytes} bytes at offset {report.torn_tail_offset} "
+            f"torn tail   {report.torn_tail_bytes} bytes at offset {report.torn_tail_offset}"
+            + (
+                f" of {Path(report.torn_tail_part).name}"
+                if len(parts) > 1 and report.torn_tail_part
+                else ""
+            )
+            + " "
             "(writer stopped mid-frame; every complete frame was read)\n"
         )
     for offset, reason in report.corrupt_frames:

@@ -128,8 +128,13 @@ def test_record_a_remote_stream(tmp_path: Path) -> None:
         mon.communicate(timeout=30)
     parts = recording_parts(out_file)
     assert len(parts) >= 2  # rotated at 5 kB
-    events = [e for p in parts for e in RecordingReader(p)]
-    reader = RecordingReader(out_file)
+    reader = RecordingReader(out_file)  # every part, given the first
+    assert reader.parts == parts
+    events = list(reader)
+    assert reader.report.parts == [str(p) for p in parts] and reader.report.clean
+    # The same events as the parts read one by one (a later part read alone is just itself).
+    tail = [e for p in parts[1:] for e in RecordingReader(p)]
+    assert events[len(events) - len(tail) :] == tail
     # The file spans the recording, not the publisher's life before it (the stream info the
     # handshake got is kept, stamped with the start of the recording).
     assert reader.header.start_wall_ns >= before_ns

@@ -243,11 +243,25 @@ def test_energy_outside_the_samples_is_an_error_not_an_extrapolation(rec_path: P
             (end + 1000 * MS, end + 2000 * MS),  # after the end
             (end + 5000 * MS, end + 5001 * MS),
             (T0 - 2000 * MS, T0 - 1000 * MS),  # before the start
-            (T0 + 500 * MS, end + 1),  # reaching past the end
         ]:
             with pytest.raises(ConfigError, match="outside the samples"):
                 rec.energy(device, t0, t1)
     assert rec.energy("gpu:0", T0, end).energy_j == rec.energy("gpu:0").energy_j
+
+
+def test_energy_over_a_span_wider_than_the_samples_is_clamped(rec_path: Path) -> None:
+    rec = Recording(rec_path)
+    for device in ("gpu:0", "gpu:1", "cpu:0"):
+        whole = rec.energy(device)
+        wide = rec.energy(device, rec.start_ns - 10**9, rec.end_ns + 10**9)
+        assert wide.energy_j == whole.energy_j
+        assert wide.method == f"{whole.method}, clamped"
+        part = rec.energy(device, T0 + 500 * MS, T0 + 5000 * MS)
+        devices = rec.totals().devices
+        key = next(k for k in devices if k == device or k.startswith(device + "/"))
+        first, last = T0 + 500 * MS, devices[key].end_ns
+        assert part.energy_j == rec.energy(device, first, last).energy_j
+        assert part.method.endswith(", clamped")
 
 
 def test_history_energy_after_the_last_counter_point_is_integrated_power() -> None:

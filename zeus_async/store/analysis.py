@@ -535,9 +535,14 @@ class Recording:
         (``counter+extrapolated``), integrated power samples for GPUs without a counter
         (``integrated``). ``None`` bounds are the device's first and last sample.
 
+        An interval that reaches past the device's samples on either side (the recording's
+        own ``[start_ns, end_ns]``, a window cut by a crash) is **clamped** to them: the energy
+        is that of the part with samples, and the method says so (``counter+interpolated,
+        clamped``). Energy where there are no samples is unknown, never extrapolated.
+
         Raises:
             ConfigError: Not a GPU or RAPL device of this recording, ``t1_ns < t0_ns``, or an
-                interval reaching outside the device's samples (energy there is unknown).
+                interval entirely outside the device's samples.
         """
         key = self._resolve(device, self._histories)
         first, last = self._spans[key]
@@ -545,12 +550,15 @@ class Recording:
         t1 = last if t1_ns is None else t1_ns
         if t1 < t0:
             raise ConfigError(f"interval ends before it starts: [{t0}, {t1}]")
-        if t0 < first or t1 > last:
+        if t1 < first or t0 > last or (t0 == t1 and not first <= t0 <= last):
             raise ConfigError(
-                f"interval [{t0}, {t1}] reaches outside the samples of {key} "
+                f"interval [{t0}, {t1}] lies outside the samples of {key} "
                 f"([{first}, {last}], {(last - first) / 1e9:.3f} s): energy there is unknown"
             )
-        return self._histories[key].energy(t0, t1)
+        if t0 >= first and t1 <= last:
+            return self._histories[key].energy(t0, t1)
+        estimate = self._histories[key].energy(max(t0, first), min(t1, last))
+        return EnergyEstimate(estimate.energy_j, f"{estimate.method}, clamped")
 
     def totals(self) -> Totals:
         """Energy, mean power and duration of every GPU and RAPL domain over its span in the

@@ -31,6 +31,7 @@ import threading
 import time
 import zlib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Final, NamedTuple
 
 import msgspec
@@ -63,6 +64,8 @@ __all__ = [
     "encode_header",
     "pack_frame_prefix",
     "pack_header_prefix",
+    "recording_parts",
+    "rotated_path",
     "seal_frame",
     "unpack_frame_prefix",
     "unpack_header_prefix",
@@ -355,3 +358,19 @@ def seal_frame(payload: bytes, first_t_ns: int, codec: PayloadCodec | None = Non
     if not 0 <= first_t_ns <= _U64_MAX:
         raise CodecError(f"event t_ns {first_t_ns} does not fit a u64")
     return pack_frame_prefix(len(payload), zlib.crc32(payload), first_t_ns) + payload
+
+
+def rotated_path(path: Path, part: int) -> Path:
+    """File name of part ``part`` of a rotated recording: ``run.zarc``, ``run.1.zarc``, ..."""
+    if part == 0:
+        return path
+    return path.with_name(f"{path.stem}.{part}{path.suffix}")
+
+
+def recording_parts(path: str | os.PathLike[str]) -> list[Path]:
+    """The files of a (possibly rotated) recording, in order: ``path`` then its existing parts."""
+    first = Path(path)
+    parts = [first]
+    while (nxt := rotated_path(first, len(parts))).exists():
+        parts.append(nxt)
+    return parts

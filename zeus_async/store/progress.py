@@ -38,7 +38,7 @@ class ProgressTicker:
         self._offsets: list[int] = []
         self._total = 0
         if progress is not None:
-            self._total = reader.path.stat().st_size
+            self._total = reader.size_bytes
             self._offsets = [offset for offset, _ in reader.frame_index()]
 
     def tick(self) -> None:

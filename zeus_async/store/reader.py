@@ -34,10 +34,11 @@ from collections.abc import AsyncIterator, Callable, Collection, Generator, Iter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import anyio
 
-from ..errors import CodecError, ConfigError
+from ..errors import CodecError, ConfigError, ZeusAsyncError
 from ..events import (
     EVENT_TYPES,
     ClockChange,
@@ -60,6 +61,7 @@ from .format import (
     PayloadCodec,
     RecordingHeader,
     decode_header,
+    recording_parts,
     unpack_frame_prefix,
     unpack_header_prefix,
 )
@@ -83,6 +85,11 @@ class RecoveryReport:
         torn_tail_bytes: Bytes of the torn tail (0 when the file ends on a frame boundary).
         torn_tail_offset: File offset where the torn tail starts, or ``None``.
         corrupt_frames: ``(offset, reason)`` of each damaged frame skipped by resynchronizing.
+            In a rotated recording, the offset is within its part and the reason starts with
+            the part's file name (``run.1.zarc: ...``) for every part after the first.
+        torn_tail_part: The file whose tail is torn (the recording's last part, unless a
+            part in the middle is damaged too), or ``None``.
+        parts: The files the pass read, in order (one unless the recording was rotated).
     """
 
     frames_ok: int = 0
@@ -90,6 +97,8 @@ class RecoveryReport:
     torn_tail_bytes: int = 0
     torn_tail_offset: int | None = None
     corrupt_frames: list[tuple[int, str]] = field(default_factory=list)
+    torn_tail_part: str | None = None
+    parts: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
@@ -218,15 +227,32 @@ def _frames(
         pos = found
 
 
+def _torn_at(report: RecoveryReport) -> int | None:
+    return report.torn_tail_offset
+
+
+class _Part(NamedTuple):
+    path: Path
+    base: int  # offset of its first byte in the recording (the parts laid end to end)
+    size: int
+
+
 class RecordingReader:
     """Reads a recording written by :class:`~zeus_async.store.Recorder`.
 
+    A rotated recording is read whole from its first file: ``run.zarc``, then ``run.1.zarc``,
+    ``run.2.zarc``, ... (:func:`~zeus_async.store.recording_parts`), as one stream of events;
+    damage is reported per part (:class:`RecoveryReport`). Offsets (:meth:`frame_index`) count
+    through the parts laid end to end.
+
     Args:
-        path: The recording file.
+        path: The recording file (its first part).
 
     Attributes:
         path: The recording file.
-        header: The run metadata.
+        parts: Its files, in order (``[path]`` unless it was rotated).
+        size_bytes: Their total size.
+        header: The run metadata (the first part's).
         format_version: File layout version of the file.
         schema_version: Event schema version of the file.
         data_offset: Offset of the first frame.
@@ -256,10 +282,39 @@ class RecordingReader:
         self.report = RecoveryReport()
         self._index: list[tuple[int, int]] | None = None
         self._index_t: list[int] = []
+        self.parts: list[Path] = recording_parts(self.path)
+        self._parts: list[_Part] = []
+        base = 0
+        for part in self.parts:
+            size = part.stat().st_size
+            self._parts.append(_Part(part, base, size))
+            base += size
+        self.size_bytes = base
+        # Data offset and codec of each part after the first (read from its header on use).
+        self._part_heads: dict[int, tuple[int, PayloadCodec] | str] = {}
 
+    def _part_head(self, k: int) -> tuple[int, PayloadCodec] | str:
+        """Data offset and codec of part ``k``, or why its header cannot be read."""
+        if k == 0:
+            return self.data_offset, self._codec
+        head = self._part_heads.get(k)
+        if head is None:
+            try:
+                with self._parts[k].path.open("rb") as f:
+                    raw = f.read(HEADER_PREFIX_SIZE)
+                    prefix = unpack_header_prefix(raw)
+                    raw += f.read(prefix.body_len + 4)
+                _, header, offset = decode_header(raw)
+                head = (offset, PayloadCodec(header.compression))
+            except (ZeusAsyncError, OSError) as exc:
+                head = f"unreadable header ({exc})"
+            self._part_heads[k] = head
+        return head
+
+    @staticmethod
     @contextmanager
-    def _mapped(self) -> Iterator[tuple[_Buffer, int]]:
-        with self.path.open("rb") as f:
+    def _mapped(path: Path) -> Iterator[tuple[_Buffer, int]]:
+        with path.open("rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size == 0:
                 yield b"", 0
@@ -273,8 +328,36 @@ class RecordingReader:
     def _frames_from(
         self, start: int, report: RecoveryReport, *, stop_t_ns: int | None = None
     ) -> Generator[tuple[int, int, list[Event]], None, None]:
-        with self._mapped() as (buf, end):
-            yield from _frames(buf, start, end, report, self._codec, stop_t_ns=stop_t_ns)
+        """Frames from offset ``start`` (counted through the parts) to the end of the last
+        part; offsets yielded the same way."""
+        many = len(self._parts) > 1
+        for k, part in enumerate(self._parts):
+            if start >= part.base + part.size and k < len(self._parts) - 1:
+                continue
+            head = self._part_head(k)
+            report.parts.append(str(part.path))
+            if isinstance(head, str):
+                report.corrupt_frames.append((0, f"{part.path.name}: {head}"))
+                logger.warning("part %s of %s skipped: %s", part.path, self.path, head)
+                continue
+            data_offset, codec = head
+            local = max(start - part.base, data_offset)
+            damage = len(report.corrupt_frames)
+            torn = report.torn_tail_offset
+            report.torn_tail_offset = None
+            with self._mapped(part.path) as (buf, end):
+                for pos, t_ns, events in _frames(
+                    buf, local, end, report, codec, stop_t_ns=stop_t_ns
+                ):
+                    yield part.base + pos, t_ns, events
+            if _torn_at(report) is not None:  # this part's tail is torn
+                report.torn_tail_part = str(part.path)
+            else:
+                report.torn_tail_offset = torn
+            if many and k:
+                report.corrupt_frames[damage:] = [
+                    (off, f"{part.path.name}: {why}") for off, why in report.corrupt_frames[damage:]
+                ]
 
     def _new_report(self) -> RecoveryReport:
         self.report = RecoveryReport()
@@ -364,25 +447,30 @@ class RecordingReader:
     def frame_index(self) -> list[tuple[int, int]]:
         """``(offset, first_t_ns)`` of every frame, built once by reading frame prefixes only.
 
-        Payloads are skipped; where a prefix does not lead to another frame (damage), the scan
-        resynchronizes like a full read does.
+        Offsets count through the parts laid end to end. Payloads are skipped; where a prefix
+        does not lead to another frame (damage), the scan resynchronizes like a full read does.
         """
         if self._index is None:
             index: list[tuple[int, int]] = []
             decoder = EventDecoder()
-            with self._mapped() as (buf, end):
-                pos = self.data_offset
-                while pos + FRAME_PREFIX_SIZE <= end:
-                    prefix = unpack_frame_prefix(buf, pos)
-                    nxt = pos + FRAME_PREFIX_SIZE + prefix.payload_len if prefix else end + 1
-                    if prefix is None or nxt > end:
-                        found = _resync(buf, pos + 1, end, decoder, self._codec)
-                        if found is None:
-                            break
-                        pos = found
-                        continue
-                    index.append((pos, prefix.first_t_ns))
-                    pos = nxt
+            for k, part in enumerate(self._parts):
+                head = self._part_head(k)
+                if isinstance(head, str):
+                    continue
+                data_offset, codec = head
+                with self._mapped(part.path) as (buf, end):
+                    pos = data_offset
+                    while pos + FRAME_PREFIX_SIZE <= end:
+                        prefix = unpack_frame_prefix(buf, pos)
+                        nxt = pos + FRAME_PREFIX_SIZE + prefix.payload_len if prefix else end + 1
+                        if prefix is None or nxt > end:
+                            found = _resync(buf, pos + 1, end, decoder, codec)
+                            if found is None:
+                                break
+                            pos = found
+                            continue
+                        index.append((part.base + pos, prefix.first_t_ns))
+                        pos = nxt
             self._index = index
             self._index_t = [t for _, t in index]
         return self._index

@@ -38,6 +38,8 @@ from .format import (
     default_header,
     encode_frame,
     encode_header,
+    recording_parts,
+    rotated_path,
     seal_frame,
 )
 
@@ -125,22 +127,6 @@ async def _open_sink(path: Path) -> _Sink:
         return _FileSink(f, f._file, "close", executor)  # aiofiles keeps the file in _file
     g = await anyio.open_file(path, "wb")
     return _FileSink(g, g.wrapped, "aclose")
-
-
-def rotated_path(path: Path, part: int) -> Path:
-    """File name of part ``part`` of a rotated recording: ``run.zarc``, ``run.1.zarc``, ..."""
-    if part == 0:
-        return path
-    return path.with_name(f"{path.stem}.{part}{path.suffix}")
-
-
-def recording_parts(path: str | os.PathLike[str]) -> list[Path]:
-    """The files of a (possibly rotated) recording, in order: ``path`` then its existing parts."""
-    first = Path(path)
-    parts = [first]
-    while (nxt := rotated_path(first, len(parts))).exists():
-        parts.append(nxt)
-    return parts
 
 
 async def _drain(stream: ObjectReceiveStream[Event]) -> AsyncIterator[list[Event]]:
@@ -439,6 +425,8 @@ def write_recording(
     events: Iterable[Event],
     header: RecordingHeader | None = None,
     events_per_frame: int = 4096,
+    *,
+    overwrite: bool = False,
 ) -> int:
     """Write ``events`` to a new recording synchronously (tests, benchmarks, converters).
 
@@ -448,21 +436,28 @@ def write_recording(
         events: Events, in the order to record them.
         header: Run metadata; default: this process.
         events_per_frame: Events per frame (the last frame may hold fewer).
+        overwrite: Replace an existing recording (and drop its old rotated parts).
 
     Returns:
         The number of frames written.
 
     Raises:
         ConfigError: ``events_per_frame < 1``.
+        FileExistsError: ``path`` exists and ``overwrite`` is false.
     """
     if events_per_frame < 1:
         raise ConfigError(f"events_per_frame must be at least 1, got {events_per_frame!r}")
     encoder = EventEncoder()
     header = header if header is not None else default_header()
     codec = PayloadCodec(header.compression)
+    from .outputs import claim_output
+
+    path = claim_output(
+        path, overwrite=overwrite, what="recording", recording=True, force_hint="overwrite=True"
+    )
     frames = 0
     batch: list[Event] = []
-    with Path(path).open("wb") as f:
+    with path.open("wb") as f:
         f.write(encode_header(header))
         for event in events:
             batch.append(event)
