@@ -78,6 +78,20 @@ def _positive_float(text: str) -> float:
     return value
 
 
+#: The shortest sampling period the CLI accepts (s): one NVML read takes tens of µs, and
+#: the driver refreshes power every few ms at best.
+MIN_PERIOD_S = 0.001
+
+
+def _period(text: str) -> float:
+    value = _positive_float(text)
+    if value < MIN_PERIOD_S:
+        raise argparse.ArgumentTypeError(
+            f"a sampling period of {text} s is below the {MIN_PERIOD_S * 1e3:g} ms minimum"
+        )
+    return value
+
+
 def _sim_config(text: str | None) -> Any:
     if text is None:
         return None
@@ -102,7 +116,7 @@ def _build_parser() -> argparse.ArgumentParser:
     mon.add_argument("--backend", choices=("auto", "nvml", "sim"), default="auto")
     mon.add_argument("--gpus", type=_int_list, default=None, help="GPU indices, e.g. 0,1")
     mon.add_argument("--cpus", choices=("auto", "none"), default="auto", help="RAPL packages")
-    mon.add_argument("--period", type=_positive_float, default=0.01, help="sampling period (s)")
+    mon.add_argument("--period", type=_period, default=0.01, help="sampling period (s, >= 0.001)")
     mon.add_argument(
         "--adaptive",
         action="store_true",
@@ -147,7 +161,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="only restore the settings dead processes left changed, then exit",
     )
     agt.add_argument("--backend", choices=("auto", "nvml", "sim"), default="auto")
-    agt.add_argument("--period", type=_positive_float, default=0.01, help="sampling period (s)")
+    agt.add_argument("--period", type=_period, default=0.01, help="sampling period (s, >= 0.001)")
     agt.add_argument("--adaptive", action="store_true", help="adaptive reads (see monitor)")
     agt.add_argument("--publish", metavar="ENDPOINT", help="also publish on a ZeroMQ endpoint")
     agt.add_argument("--record", metavar="FILE", help="also record every event to FILE")

@@ -60,6 +60,11 @@ def test_monitor_with_adaptive_reads() -> None:
         (["record", "tcp://127.0.0.1:1", "-o", "x.zarc", "--count", "-1"], "whole number >= 1"),
         (["record", "tcp://127.0.0.1:1", "-o", "x.zarc", "--rotate-mb", "0"], "positive number"),
         (["inspect", "x.zarc", "--windows", "-2"], "whole number >= 0"),
+        (["monitor", "--period", "1e-9"], "below the 1 ms minimum"),
+        (["agent", "--period", "0"], "positive number"),
+        (["agent", "--period", "0.0001"], "below the 1 ms minimum"),
+        (["agent", "--exit-when-idle", "-1"], "positive number"),
+        (["agent", "--backend", "rocm"], "invalid choice"),
     ],
 )
 def test_bad_arguments_give_one_clear_line(args: list[str], message: str) -> None:
@@ -76,6 +81,8 @@ def test_bad_arguments_give_one_clear_line(args: list[str], message: str) -> Non
         (["monitor", "--backend", "sim", "--publish", "tcp://127.0.0.1"], "without a port"),
         (["proxy", "--in", "tcp://127.0.0.1:1", "--out", "bogus"], "transport://address"),
         (["record", "tcp://127.0.0.1:1", "-o", "/nonexistent/dir/x.zarc"], "no directory"),
+        (["agent", "--backend", "sim", "--record", "/nonexistent/x.zarc"], "does not exist"),
+        (["export", "/nonexistent/x.zarc", "--format", "csv", "-o", "/nonexistent/y.csv"], "y.csv"),
         # libzmq binds 99999 modulo 65536 without a word.
         (["monitor", "--backend", "sim", "--publish", "tcp://127.0.0.1:99999"], "0..65535"),
     ],

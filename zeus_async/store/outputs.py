@@ -62,6 +62,7 @@ def claim_output(
         FileExistsError: ``path`` (or one of its rotated parts) exists and ``overwrite`` is
             false.
         IsADirectoryError: ``path`` is a directory.
+        FileNotFoundError: ``path``'s directory does not exist.
     """
     out = Path(path)
     for given in inputs:
@@ -75,6 +76,11 @@ def claim_output(
                 )
     if out.is_dir():
         raise IsADirectoryError(errno.EISDIR, f"{what} is a directory", str(out))
+    folder = out.parent if str(out.parent) else Path(".")
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            errno.ENOENT, f"the directory of the {what} does not exist", str(out)
+        )
     # Only regular files hold data to lose: a pipe or a device (/dev/null) is written to.
     existing = [p for p in recording_parts(out) if p.is_file()] if recording else []
     if not recording and out.is_file():
