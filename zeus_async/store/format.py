@@ -47,6 +47,7 @@ __all__ = [
     "FRAME_MAGIC",
     "FRAME_PREFIX_SIZE",
     "HEADER_PREFIX_SIZE",
+    "MAX_FRAME_BYTES",
     "MAX_HEADER_BODY",
     "MAX_PAYLOAD",
     "SUPPORTED_FORMAT_VERSIONS",
@@ -92,6 +93,10 @@ SUPPORTED_SCHEMA_VERSIONS: Final = frozenset({SCHEMA_VERSION})
 MAX_HEADER_BODY: Final = 16 * 1024 * 1024
 #: Largest frame payload (the u32 length field).
 MAX_PAYLOAD: Final = 2**32 - 1
+#: Largest msgpack payload a frame may hold, compressed or not (64 MiB; a recorder's frame of
+#: 4,096 events is well under 1 MiB). Readers reject a frame that declares more before
+#: checking or expanding it, so a crafted file cannot make them allocate more.
+MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
 
 #: Bytes-like inputs the decoders accept (a read-only ``mmap`` of a file included).
 Buffer = bytes | bytearray | memoryview | mmap.mmap
@@ -198,7 +203,15 @@ class PayloadCodec:
         if not self._zstd:
             return stored
         try:
-            return self._decompressor().decompress(stored, max_output_size=MAX_PAYLOAD)
+            declared = zstandard.frame_content_size(stored)
+        except zstandard.ZstdError as exc:
+            raise CodecError(f"frame does not decompress: {exc}") from None
+        if declared > MAX_FRAME_BYTES:  # -1 (not declared): bounded by max_output_size below
+            raise CodecError(
+                f"frame declares {declared} bytes expanded, over the {MAX_FRAME_BYTES} limit"
+            )
+        try:
+            return self._decompressor().decompress(stored, max_output_size=MAX_FRAME_BYTES)
         except zstandard.ZstdError as exc:
             raise CodecError(f"frame does not decompress: {exc}") from None
 
@@ -349,8 +362,13 @@ def seal_frame(payload: bytes, first_t_ns: int, codec: PayloadCodec | None = Non
     loop (Zstandard and CRC32 release the GIL).
 
     Raises:
-        CodecError: A ``first_t_ns`` outside u64, or a payload over 4 GiB.
+        CodecError: A ``first_t_ns`` outside u64, or a payload over :data:`MAX_FRAME_BYTES`.
     """
+    if len(payload) > MAX_FRAME_BYTES:
+        raise CodecError(
+            f"frame payload too large ({len(payload)} bytes, limit {MAX_FRAME_BYTES}): "
+            "write fewer events per frame"
+        )
     if codec is not None:
         payload = codec.compress(payload)
     if len(payload) > MAX_PAYLOAD:

@@ -56,6 +56,7 @@ from .format import (
     FRAME_MAGIC,
     FRAME_PREFIX_SIZE,
     HEADER_PREFIX_SIZE,
+    MAX_FRAME_BYTES,
     FramePrefix,
     HeaderPrefix,
     PayloadCodec,
@@ -90,6 +91,9 @@ class RecoveryReport:
         torn_tail_part: The file whose tail is torn (the recording's last part, unless a
             part in the middle is damaged too), or ``None``.
         parts: The files the pass read, in order (one unless the recording was rotated).
+        unchecked_candidates: Frame markers inside damaged ranges that were skipped without
+            checking, because checking them would have exceeded the resynchronization budget
+            (only crafted files get there; see ``docs/recording-format.md``).
     """
 
     frames_ok: int = 0
@@ -99,6 +103,7 @@ class RecoveryReport:
     corrupt_frames: list[tuple[int, str]] = field(default_factory=list)
     torn_tail_part: str | None = None
     parts: list[str] = field(default_factory=list)
+    unchecked_candidates: int = 0
 
     @property
     def clean(self) -> bool:
@@ -165,6 +170,8 @@ def _validate(
     stop = pos + FRAME_PREFIX_SIZE + prefix.payload_len
     if stop > end:
         return _PAST_END
+    if prefix.payload_len > MAX_FRAME_BYTES:  # rejected before reading or checking it
+        return "declared payload over the frame size limit"
     payload = buf[pos + FRAME_PREFIX_SIZE : stop]
     if zlib.crc32(payload) != prefix.crc:
         return "payload checksum mismatch"
@@ -179,16 +186,58 @@ def _validate(
     return prefix, events
 
 
+class _ResyncCost:
+    """Bounds what resynchronizing costs over one pass, so a crafted file reads in linear time.
+
+    Checking a candidate frame reads its declared payload (CRC, then decoding); a file packed
+    with candidates that each declare a payload to its end would cost the square of its size.
+    Failed checks may read at most twice the bytes the pass has advanced, plus one largest
+    frame (:data:`MAX_FRAME_BYTES`): a real frame after damage is always checked, and a
+    candidate the allowance cannot cover is skipped unchecked and counted
+    (:attr:`RecoveryReport.unchecked_candidates`).
+    """
+
+    __slots__ = ("spent", "start")
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.spent = 0
+
+    def allows(self, at: int, cost: int) -> bool:
+        return self.spent + cost <= 2 * (at - self.start) + MAX_FRAME_BYTES
+
+
 def _resync(
-    buf: _Buffer, pos: int, end: int, decoder: EventDecoder, codec: PayloadCodec
+    buf: _Buffer,
+    pos: int,
+    end: int,
+    decoder: EventDecoder,
+    codec: PayloadCodec,
+    cost: _ResyncCost,
+    report: RecoveryReport | None = None,
 ) -> int | None:
     """Offset of the first valid frame at or after ``pos``, or ``None``."""
     i = buf.find(FRAME_MAGIC, pos, end)
     while i != -1:
-        if not isinstance(_validate(buf, i, end, decoder, codec), str):
-            return i
+        declared = _declared_len(buf, i, end)
+        if cost.allows(i, declared):
+            if not isinstance(_validate(buf, i, end, decoder, codec), str):
+                return i
+            cost.spent += declared
+        elif report is not None:
+            report.unchecked_candidates += 1
         i = buf.find(FRAME_MAGIC, i + 1, end)
     return None
+
+
+def _declared_len(buf: _Buffer, pos: int, end: int) -> int:
+    """The payload bytes a check of the candidate at ``pos`` would read (0: none)."""
+    if end - pos < FRAME_PREFIX_SIZE:
+        return 0
+    prefix = unpack_frame_prefix(buf, pos)
+    if prefix is None or prefix.payload_len > MAX_FRAME_BYTES:
+        return 0
+    return min(prefix.payload_len, end - pos - FRAME_PREFIX_SIZE)
 
 
 def _frames(
@@ -202,6 +251,7 @@ def _frames(
 ) -> Iterator[tuple[int, int, list[Event]]]:
     """Yield ``(offset, first_t_ns, events)`` of every valid frame from ``start``, recovering."""
     decoder = EventDecoder()
+    cost = _ResyncCost(start)
     pos = start
     while pos < end:
         result = _validate(buf, pos, end, decoder, codec)
@@ -214,7 +264,7 @@ def _frames(
             yield pos, prefix.first_t_ns, events
             pos += FRAME_PREFIX_SIZE + prefix.payload_len
             continue
-        found = _resync(buf, pos + 1, end, decoder, codec)
+        found = _resync(buf, pos + 1, end, decoder, codec, cost, report)
         if found is None and result in (_TRUNCATED, _PAST_END):
             report.torn_tail_offset = pos
             report.torn_tail_bytes = end - pos
@@ -460,11 +510,12 @@ class RecordingReader:
                 data_offset, codec = head
                 with self._mapped(part.path) as (buf, end):
                     pos = data_offset
+                    cost = _ResyncCost(pos)
                     while pos + FRAME_PREFIX_SIZE <= end:
                         prefix = unpack_frame_prefix(buf, pos)
                         nxt = pos + FRAME_PREFIX_SIZE + prefix.payload_len if prefix else end + 1
                         if prefix is None or nxt > end:
-                            found = _resync(buf, pos + 1, end, decoder, codec)
+                            found = _resync(buf, pos + 1, end, decoder, codec, cost)
                             if found is None:
                                 break
                             pos = found

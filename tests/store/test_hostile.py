@@ -1,0 +1,112 @@
+"""Hostile files: what a crafted frame can cost a reader is bounded."""
+
+from __future__ import annotations
+
+import io
+import resource
+import zlib
+from pathlib import Path
+
+import msgspec
+import zstandard
+
+from zeus_async.events import EventDecoder, GpuSample
+from zeus_async.store import RecordingHeader, RecordingReader
+from zeus_async.store.format import (
+    MAX_FRAME_BYTES,
+    PayloadCodec,
+    encode_frame,
+    encode_header,
+    pack_frame_prefix,
+)
+from zeus_async.store.reader import _validate
+
+HEADER = RecordingHeader(host="h", start_wall_ns=1, pid=1, compression="zstd")
+GIB = 1024**3
+
+
+def _bomb(t_ns: int) -> bytes:
+    """A frame whose valid CRC covers a few kB of zstd that expand to 1 GiB of zeros (the
+    frame header declares it)."""
+    out = io.BytesIO()
+    with zstandard.ZstdCompressor(level=1).stream_writer(out, size=GIB, closefd=False) as writer:
+        chunk = bytes(1024 * 1024)
+        for _ in range(GIB // len(chunk)):
+            writer.write(chunk)
+    stored = out.getvalue()
+    assert len(stored) < 100_000
+    return pack_frame_prefix(len(stored), zlib.crc32(stored), t_ns) + stored
+
+
+def _maxrss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def test_a_decompression_bomb_is_rejected_before_it_expands(tmp_path: Path) -> None:
+    codec = PayloadCodec("zstd")
+    good = [GpuSample("h", 10, 0, 100.0), GpuSample("h", 30, 0, 100.0)]
+    path = tmp_path / "bomb.zarc"
+    path.write_bytes(
+        encode_header(HEADER)
+        + encode_frame(good[:1], codec=codec)
+        + _bomb(20)
+        + encode_frame(good[1:], codec=codec)
+    )
+    before = _maxrss_mb()
+    reader = RecordingReader(path)
+    assert list(reader) == good  # the frames around it are read
+    assert _maxrss_mb() - before < 200  # not the 1 GiB it declares
+    ((_, reason),) = reader.report.corrupt_frames
+    assert reason == "undecodable payload"
+
+
+def test_a_declared_payload_over_the_limit_is_not_read(tmp_path: Path) -> None:
+    # The prefix claims more than the limit: rejected from the prefix alone (no CRC pass over
+    # it), then the reader resynchronizes on the next frame.
+    codec = PayloadCodec("zstd")
+    good = [GpuSample("h", 10, 0, 100.0), GpuSample("h", 30, 0, 100.0)]
+    liar = pack_frame_prefix(MAX_FRAME_BYTES + 1, 0, 20) + msgspec.msgpack.encode([1])
+    path = tmp_path / "liar.zarc"
+    path.write_bytes(
+        encode_header(HEADER)
+        + encode_frame(good[:1], codec=codec)
+        + liar
+        + encode_frame(good[1:], codec=codec)
+    )
+    reader = RecordingReader(path)
+    assert list(reader) == good
+    ((_, reason),) = reader.report.corrupt_frames
+    assert reason == "frame runs past the end of the file"
+    # In a file large enough to hold it, the limit is what rejects it (unit check, sparse).
+    big = bytearray(MAX_FRAME_BYTES + 64)
+    big[: len(liar)] = liar
+    decoder = EventDecoder()
+    assert _validate(big, 0, len(big), decoder, codec) == (
+        "declared payload over the frame size limit"
+    )
+
+
+def test_resync_through_a_crafted_region_is_bounded_and_finds_the_frames_after(
+    tmp_path: Path,
+) -> None:
+    # 1 MiB of frame markers, each declaring a payload to the end of the file: checking every
+    # one would read ~20 GB. The reader checks what its budget allows, skips the rest
+    # unchecked (counted), and still finds the real frames after the region.
+    codec = PayloadCodec("zstd")
+    before = [GpuSample("h", 10, 0, 100.0)]
+    after = [GpuSample("h", 30 + i, 0, 100.0) for i in range(3)]
+    tail = b"".join(encode_frame([e], codec=codec) for e in after)
+    region = bytearray()
+    size = 1024 * 1024
+    while len(region) < size:
+        remaining = size - len(region) + len(tail) - 20
+        region += pack_frame_prefix(remaining, 0xDEADBEEF, 20) + b"\x00\x01\x02\x03"
+    path = tmp_path / "crafted.zarc"
+    path.write_bytes(
+        encode_header(HEADER) + encode_frame(before, codec=codec) + bytes(region) + tail
+    )
+    reader = RecordingReader(path)
+    assert list(reader) == before + after
+    assert reader.report.unchecked_candidates > 1000
+    ((_, reason),) = reader.report.corrupt_frames
+    assert reason == "payload checksum mismatch"
