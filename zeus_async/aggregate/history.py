@@ -114,6 +114,8 @@ class DeviceHistory:
         self._last_counter: float | None = None
         self._last_counter_t: int | None = None
         self.last_t_ns: int | None = None
+        #: Samples ignored for not being later than the previous one.
+        self.dropped = 0
         self.lost_at_ns: int | None = None
         self.has_counter = False
         self.counter_updates = 0
@@ -123,8 +125,11 @@ class DeviceHistory:
     def add(self, t_ns: int, power_w: float | None, counter_j: float | None) -> None:
         """Record one sample (either field may be missing)."""
         with self._lock:
-            if self.last_t_ns is not None and t_ns < self.last_t_ns:
-                return  # out of order: ignore rather than corrupt the sorted lists
+            if self.last_t_ns is not None and t_ns <= self.last_t_ns:
+                # A duplicate or a sample out of order: ignored (counted) rather than corrupt
+                # the sorted lists or make a zero-length interval.
+                self.dropped += 1
+                return
             if power_w is not None:
                 if self._pt:
                     t_prev, p_prev = self._pt[-1], self._pw[-1]

@@ -35,6 +35,7 @@ class DeviceTotals:
         "_last_change",
         "_last_counter",
         "_last_power",
+        "dropped",
         "fault",
         "first_t_ns",
         "key",
@@ -59,6 +60,9 @@ class DeviceTotals:
         self._first_change: tuple[int, float, float] | None = None
         self._last_change: tuple[int, float, float] | None = None
         self.fault: str | None = None
+        #: Samples ignored because they were not later than the previous one (a duplicate, or
+        #: one delivered out of order): they cannot be placed in the running totals.
+        self.dropped = 0
 
     def add_power(self, t_ns: int, power_w: float) -> None:
         """Account one power sample (trapezoid rule between consecutive samples)."""
@@ -152,7 +156,8 @@ class LiveTotals:
         self.events += 1
         if isinstance(event, GpuSample):
             totals = self._get(f"gpu:{event.gpu}")
-            self._stamp(totals, event.t_ns)
+            if not self._stamp(totals, event.t_ns):
+                return
             for field in event.__struct_fields__[3:]:
                 value = getattr(event, field)
                 if value is not None:
@@ -164,7 +169,8 @@ class LiveTotals:
             totals.fault = None
         elif isinstance(event, RaplSample):
             totals = self._get(f"cpu:{event.package}/{event.domain}")
-            self._stamp(totals, event.t_ns)
+            if not self._stamp(totals, event.t_ns):
+                return
             if event.power_w is not None:
                 totals.last["power_w"] = event.power_w
             # RAPL counters update every ~1 ms: the counter alone is exact enough.
@@ -181,7 +187,13 @@ class LiveTotals:
                 self._get(event.device).fault = event.kind
 
     @staticmethod
-    def _stamp(totals: DeviceTotals, t_ns: int) -> None:
+    def _stamp(totals: DeviceTotals, t_ns: int) -> bool:
+        """Take ``t_ns`` as the device's latest time; ``False`` (and counted) when it is not
+        later than the previous sample's."""
         if totals.first_t_ns is None:
             totals.first_t_ns = t_ns
+        elif totals.last_t_ns is not None and t_ns <= totals.last_t_ns:
+            totals.dropped += 1
+            return False
         totals.last_t_ns = t_ns
+        return True

@@ -151,6 +151,10 @@ async def _drain(stream: ObjectReceiveStream[Event]) -> AsyncIterator[list[Event
         yield batch
 
 
+#: Event times a frame can carry: ``0 <= t_ns < 2**64``.
+_T_LIMIT = 2**64
+
+
 class Recorder:
     """Writes every event of a stream to a recording file.
 
@@ -176,6 +180,8 @@ class Recorder:
 
     Attributes:
         events_written: Events written in frames so far.
+        events_dropped: Events not written because their time was negative or past u64 (a
+            frame cannot carry it; such events come only from a broken publisher).
         frames_written: Frames written so far.
         bytes_written: Bytes written so far, headers included, over all parts.
         paths: The files written so far (more than one after rotation).
@@ -223,6 +229,7 @@ class Recorder:
         self.write_timeout_s = write_timeout_s
         self._hung: str | None = None  # why the recording was given up (a write hung)
         self.events_written = 0
+        self.events_dropped = 0
         self.frames_written = 0
         self.bytes_written = 0
         self.paths: list[Path] = []
@@ -362,6 +369,12 @@ class Recorder:
             assert self._armed is not None
             self._armed = anyio.Event()
             step = self.flush_events
+            # A frame carries its first event's time as a u64: check those (one per frame);
+            # only when one is out of range, filter the batch.
+            if any(not 0 <= events[i].t_ns < _T_LIMIT for i in range(0, len(events), step)):
+                events = self._drop_bad_times(events)
+                if not events:
+                    return
             for frames in await self._seal(events):
                 await self._write_frames(frames)
             assert self._sink is not None
@@ -369,6 +382,21 @@ class Recorder:
             # Counted once the frames reached the OS, so a reader sees what the counters say.
             self.events_written += len(events)
             self.frames_written += -(-len(events) // step)
+
+    def _drop_bad_times(self, events: list[Event]) -> list[Event]:
+        """``events`` without those whose time no frame can carry (negative, or past u64):
+        a broken or hostile publisher's, which would otherwise end the recording."""
+        kept = [e for e in events if 0 <= e.t_ns < _T_LIMIT]
+        dropped = len(events) - len(kept)
+        if not self.events_dropped:
+            logger.warning(
+                "recording %s: dropped %d event(s) with a time outside 0 .. 2**64 ns "
+                "(counted in Recorder.events_dropped)",
+                self.path,
+                dropped,
+            )
+        self.events_dropped += dropped
+        return kept
 
     async def _seal(self, events: list[Event]) -> list[list[bytes]]:
         """Encode ``events`` into frames, groups of :data:`_SEAL_GROUP` frames at a time.
