@@ -205,10 +205,12 @@ def render_table(totals: LiveTotals) -> list[str]:
     return lines
 
 
-def _device_sort_key(key: str) -> tuple[int, int, str]:
-    kind, _, rest = key.partition(":")
+def _device_sort_key(key: str) -> tuple[str, int, int, str]:
+    """GPUs first, by index, then CPU domains; grouped by host (``gpu:0@node1``) first."""
+    name, _, host = key.partition("@")
+    kind, _, rest = name.partition(":")
     num, _, dom = rest.partition("/")
-    return (0 if kind == "gpu" else 1, int(num) if num.isdigit() else 0, dom)
+    return (host, 0 if kind == "gpu" else 1, int(num) if num.isdigit() else 0, dom)
 
 
 def render_totals(totals: LiveTotals) -> list[str]:

@@ -101,3 +101,23 @@ def test_rapl_and_faults() -> None:
     totals.add(DeviceFault("h", 1, "gpu:5", "gpu_lost", "gone"))
     assert totals.devices["gpu:5"].fault == "gpu_lost"
     assert totals.devices["gpu:5"].energy_j is None
+
+
+def test_hosts_are_part_of_a_devices_identity() -> None:
+    # Two hosts' gpu:0 through one proxy: two devices, not one with interleaved samples.
+    totals = LiveTotals()
+    t0 = 1_700_000_000_000_000_000
+    for k in range(101):  # 1 s: node1 at 100 W, node2 at 300 W
+        totals.add(GpuSample("node1", t0 + k * 10_000_000, 0, power_w=100.0))
+        totals.add(GpuSample("node2", t0 + k * 10_000_000 + 1, 0, power_w=300.0))
+    devices = totals.devices
+    assert sorted(devices) == ["gpu:0@node1", "gpu:0@node2"]
+    assert devices["gpu:0@node1"].energy_j == pytest.approx(100.0)
+    assert devices["gpu:0@node2"].energy_j == pytest.approx(300.0)
+    assert devices["gpu:0@node1"].dropped == 0
+    totals.add(DeviceFault("node2", t0 + 2 * 10**9, "gpu:0", "gpu_lost", "gone"))
+    assert totals.devices["gpu:0@node2"].fault == "gpu_lost"
+    assert totals.devices["gpu:0@node1"].fault is None
+    single = LiveTotals()
+    single.add(GpuSample("node1", t0, 0, power_w=100.0))
+    assert list(single.devices) == ["gpu:0"]  # one host: bare keys

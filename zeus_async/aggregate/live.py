@@ -139,23 +139,39 @@ class DeviceTotals:
 
 
 class LiveTotals:
-    """Consumes events and keeps :class:`DeviceTotals` per device key (``gpu:0``, ``cpu:0``)."""
+    """Consumes events and keeps :class:`DeviceTotals` per device of each host.
+
+    A device is its host and its key: ``gpu:0`` of ``node1`` and ``gpu:0`` of ``node2`` are two
+    devices (a stream through a proxy, a replay of a multi-host recording). :attr:`devices`
+    names them by the bare key (``gpu:0``, ``cpu:0/package``) while one host is seen, and with
+    the host appended (``gpu:0@node1``) once there are several, as
+    :class:`~zeus_async.store.analysis.Recording` does.
+    """
 
     def __init__(self) -> None:
-        self.devices: dict[str, DeviceTotals] = {}
+        self._by_host: dict[tuple[str, str], DeviceTotals] = {}
+        self._hosts: set[str] = set()
         self.events = 0
 
-    def _get(self, key: str) -> DeviceTotals:
-        totals = self.devices.get(key)
+    @property
+    def devices(self) -> dict[str, DeviceTotals]:
+        """Totals per device name (``gpu:0``, or ``gpu:0@node1`` when several hosts)."""
+        if len(self._hosts) <= 1:
+            return {key: t for (_, key), t in self._by_host.items()}
+        return {f"{key}@{host}": t for (host, key), t in self._by_host.items()}
+
+    def _get(self, host: str, key: str) -> DeviceTotals:
+        totals = self._by_host.get((host, key))
         if totals is None:
-            totals = self.devices[key] = DeviceTotals(key)
+            totals = self._by_host[(host, key)] = DeviceTotals(key)
+            self._hosts.add(host)
         return totals
 
     def add(self, event: Event) -> None:
         """Account one event (events of other kinds are ignored)."""
         self.events += 1
         if isinstance(event, GpuSample):
-            totals = self._get(f"gpu:{event.gpu}")
+            totals = self._get(event.host, f"gpu:{event.gpu}")
             if not self._stamp(totals, event.t_ns):
                 return
             for field in event.__struct_fields__[3:]:
@@ -168,7 +184,7 @@ class LiveTotals:
                 totals.add_counter(event.t_ns, event.energy_j)
             totals.fault = None
         elif isinstance(event, RaplSample):
-            totals = self._get(f"cpu:{event.package}/{event.domain}")
+            totals = self._get(event.host, f"cpu:{event.package}/{event.domain}")
             if not self._stamp(totals, event.t_ns):
                 return
             if event.power_w is not None:
@@ -178,13 +194,13 @@ class LiveTotals:
             totals.fault = None
         elif isinstance(event, DeviceFault):
             prefix = event.device
-            for key, totals in self.devices.items():
-                if key == prefix or key.startswith(prefix + "/"):
+            hit = False
+            for (host, key), totals in self._by_host.items():
+                if host == event.host and (key == prefix or key.startswith(prefix + "/")):
                     totals.fault = event.kind
-            if event.device not in self.devices and not any(
-                k.startswith(event.device + "/") for k in self.devices
-            ):
-                self._get(event.device).fault = event.kind
+                    hit = True
+            if not hit:
+                self._get(event.host, event.device).fault = event.kind
 
     @staticmethod
     def _stamp(totals: DeviceTotals, t_ns: int) -> bool:
