@@ -290,7 +290,13 @@ async def _record(args: argparse.Namespace, out: TextIO) -> int:
             pid=first.pid,
             argv=list(first.argv),
             devices=[d for info in infos for d in info.devices],
-            meta={"recorded_from": ",".join(args.endpoints), "recorder_argv": " ".join(sys.argv)},
+            meta={
+                "recorded_from": ",".join(args.endpoints),
+                "recorder_argv": " ".join(sys.argv),
+                # Every stream's host at the start; streams that join later are in the file as
+                # their StreamInfo events (the header is written once).
+                "hosts": ",".join(dict.fromkeys(info.host for info in infos)),
+            },
             compression="zstd",
         )
         rotate = None if args.rotate_mb is None else round(args.rotate_mb * 1e6)

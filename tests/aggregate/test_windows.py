@@ -386,3 +386,24 @@ def test_window_measures_only_the_gpus_it_names() -> None:
     assert only.gpu_energy == pytest.approx({1: 100.0})
     assert set(only.methods) == {"gpu:1"}
     assert every.gpu_energy == pytest.approx({0: 50.0, 1: 100.0, 2: 150.0})
+
+
+def test_replayed_windows_measure_their_own_hosts_devices() -> None:
+    from zeus_async.aggregate.windows import ReplayedWindows
+
+    t0 = 1_760_000_000_000_000_000
+    replayed = ReplayedWindows(follow_recorded=False)
+    events: list[Event] = []
+    for i in range(101):  # 1 s; gpu:0 of node1 at 100 W, gpu:0 of node2 at 300 W
+        t = t0 + i * 10 * MS
+        events.append(GpuSample("node1", t, 0, power_w=100.0, energy_j=1.0 * i))
+        events.append(GpuSample("node2", t + 1, 0, power_w=300.0, energy_j=3.0 * i))
+    events.insert(20, WindowOpen("node1", t0 + 100 * MS, "w", 1))
+    events.insert(21, WindowOpen("node2", t0 + 100 * MS, "w", 2))
+    events.insert(180, WindowClose("node1", t0 + 600 * MS, "w", 1))
+    events.insert(181, WindowClose("node2", t0 + 600 * MS, "w", 2))
+    for e in events:
+        replayed.add(e)
+    results = {m.host: m for m in replayed.finish()}
+    assert results["node1"].gpu_energy_j == pytest.approx({0: 50.0})
+    assert results["node2"].gpu_energy_j == pytest.approx({0: 150.0})

@@ -603,23 +603,31 @@ class ReplayedWindows:
         self.recorded: list[Measurement] = []
         self.follow_recorded = follow_recorded
         self._host = host
+        self._devices = list(devices)
+        self._finalize_timeout_s = finalize_timeout_s
         self._clock = FakeClock(wall_start_ns=0)
-        self._tracker = WindowTracker(
-            self._clock,
-            host or "",
-            devices,
-            finalize_timeout_s=finalize_timeout_s,
-            on_result=self.results.append,
-        )
+        # One tracker per host: a window of node1 measures node1's devices only, even where
+        # node2 has devices with the same keys (a stream through a proxy).
+        self._trackers: dict[str, WindowTracker] = {}
+
+    def _tracker_of(self, host: str) -> WindowTracker:
+        tracker = self._trackers.get(host)
+        if tracker is None:
+            tracker = self._trackers[host] = WindowTracker(
+                self._clock,
+                self._host if self._host is not None else host,
+                self._devices,
+                finalize_timeout_s=self._finalize_timeout_s,
+                on_result=self.results.append,
+            )
+        return tracker
 
     def add(self, event: Event) -> None:
         """Account one event of the stream (in stream order)."""
         if event.t_ns > self._clock.monotonic_ns():
             self._clock.set_ns(event.t_ns)
-        tracker = self._tracker
+        tracker = self._tracker_of(event.host)
         if isinstance(event, WindowOpen):
-            if self._host is None:
-                tracker.host = event.host
             tracker.open(event.name, t_ns=event.t_ns, window_id=event.window_id, restart=True)
         elif isinstance(event, WindowClose):
             if event.name in tracker.open_windows:
@@ -631,11 +639,13 @@ class ReplayedWindows:
         else:
             tracker.add(event)
         if not self.follow_recorded:
-            tracker.pump()
+            for each in self._trackers.values():  # stream time moved for every host
+                each.pump()
 
     def finish(self) -> list[Measurement]:
         """Finalize what is still pending (end of the stream); returns :attr:`results`."""
-        self._tracker.pump(force=True)
+        for tracker in self._trackers.values():
+            tracker.pump(force=True)
         return self.results
 
     async def run(self, stream: ObjectReceiveStream[Event]) -> None:
