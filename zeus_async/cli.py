@@ -24,6 +24,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -139,6 +140,9 @@ def _build_parser() -> argparse.ArgumentParser:
     sbs.add_argument("--json", action="store_true", help="one JSON object per line")
     sbs.add_argument("--count", type=positive_int, default=None, help="stop after N events")
     sbs.add_argument("--duration", type=_positive_float, default=None, help="stop after S s")
+    sbs.add_argument(
+        "--until-end", action="store_true", help="stop once every stream seen has ended"
+    )
     sbs.add_argument(
         "--wait", type=_positive_float, default=10.0, help="give up if no publisher answers (s)"
     )
@@ -376,11 +380,25 @@ async def _subscribe(args: argparse.Namespace, out: TextIO) -> int:
                 count += 1
                 if args.count is not None and count >= args.count:
                     break
+                if args.until_end and streams_ended(sub.stats):
+                    break
         stats = sub.stats
     logger.info("received %d event(s); %d frame(s) lost", count, stats.frames_lost)
-    if stats.frames_lost:
-        sys.stderr.write(f"zeus-async: {stats.frames_lost} frame(s) lost (sequence gaps)\n")
+    report_streams(stats)
     return EXIT_OK
+
+
+def streams_ended(stats: Any) -> bool:
+    """Every stream seen so far has sent its end (FINAL); at least one was seen."""
+    return bool(stats.streams) and all(st.finished for st in stats.streams.values())
+
+
+def report_streams(stats: Any) -> None:
+    """On stderr, one line per stream that lost frames or whose tail is not known."""
+    now = time.monotonic()
+    for st in stats.streams.values():
+        if st.frames_lost or not st.finished:
+            sys.stderr.write(f"zeus-async: {st.describe(now)}\n")
 
 
 # -- proxy --------------------------------------------------------------------------------------

@@ -109,10 +109,61 @@ async def subscriber(endpoint: str, topic: str, flood_frames: int, batch: int) -
         )
 
 
+async def publisher_that_ends(endpoint: str, flood_frames: int, batch: int) -> None:
+    """Floods, then closes at once: whatever the subscriber lost last is lost at the tail."""
+    pub = Publisher(
+        endpoint, host="mp", sndhwm=2, max_batch_events=batch, flush_interval_s=0, heartbeat_s=3600
+    )
+    async with anyio.create_task_group() as tg:
+        await tg.start(pub.run)
+        print("bound", flush=True)
+        await anyio.to_thread.run_sync(sys.stdin.readline)  # "go"
+        for f in range(flood_frames):
+            pub.publish_many([_event(f * batch + k) for k in range(batch)])
+            await anyio.lowlevel.checkpoint()
+        tg.cancel_scope.cancel()  # close: pending frames flushed, then the FINAL frame
+    s = pub.stats
+    print(json.dumps({"frames_sent": s.frames_sent}), flush=True)
+
+
+async def subscriber_to_the_end(endpoint: str) -> None:
+    """Slow; reads until the stream's end (or 20 s), then says what it counted."""
+    async with Subscriber(endpoint, topics=[""], rcvhwm=2) as sub:
+        await sub.wait_ready(timeout=30)
+        print("ready", flush=True)
+        first_seq = final_seq = -1
+        with anyio.move_on_after(20):
+            async for frame in sub.frames():
+                if first_seq < 0:
+                    first_seq = frame.header.seq
+                if frame.header.flags & 1:
+                    final_seq = frame.header.seq
+                    break
+                await anyio.sleep(0.002)
+        (st,) = sub.stats.streams.values()
+        print(
+            json.dumps(
+                {
+                    "first_seq": first_seq,
+                    "final_seq": final_seq,
+                    "finished": st.finished,
+                    "frames_received": st.frames_received,
+                    "frames_lost": st.frames_lost,
+                    "out_of_order": st.out_of_order,
+                }
+            ),
+            flush=True,
+        )
+
+
 def main() -> None:
     role, endpoint, *rest = sys.argv[1:]
     if role == "pub":
         anyio.run(publisher, endpoint, int(rest[0]), int(rest[1]))
+    elif role == "pub-end":
+        anyio.run(publisher_that_ends, endpoint, int(rest[0]), int(rest[1]))
+    elif role == "sub-end":
+        anyio.run(subscriber_to_the_end, endpoint)
     else:
         anyio.run(subscriber, endpoint, rest[0], int(rest[1]), int(rest[2]))
 

@@ -108,3 +108,33 @@ def test_slow_subscriber_reports_exactly_what_was_lost(topic: str, tmp_path: Pat
     assert sent["frames_dropped_local"] == 0
     assert sent["trailers"] >= k + 1
     assert sent["events_sent"] >= flood_events + k + 1
+
+
+def test_loss_at_the_tail_is_counted(tmp_path: Path) -> None:
+    # The publisher floods a slow subscriber and closes: frames lost after the last one the
+    # subscriber got are counted from the FINAL frame, which the publisher repeats so that it
+    # reaches a subscriber whose queue was full when the stream ended.
+    endpoint = f"ipc://{tmp_path}/end.sock"
+    if len(endpoint) > 100:
+        endpoint = f"ipc:///tmp/zb-end-{os.getpid()}.sock"
+    pub = Proc("pub-end", endpoint, str(FLOOD_FRAMES), str(BATCH))
+    sub = None
+    try:
+        assert pub.readline() == "bound"
+        sub = Proc("sub-end", endpoint)
+        assert sub.readline() == "ready"
+        pub.send("go")
+        sent = pub.json()
+        got = sub.json()
+    finally:
+        pub.close()
+        if sub is not None:
+            sub.close()
+    assert got["finished"], got
+    assert got["final_seq"] == sent["frames_sent"] - 1  # the FINAL is the stream's last frame
+    assert got["frames_lost"] > 0, "the slow subscriber should have lost frames"
+    # Exact, tail included: every frame from the first one received to the FINAL is either
+    # received or counted lost; the FINAL's copies are neither.
+    span = got["final_seq"] - got["first_seq"] + 1
+    assert got["frames_received"] + got["frames_lost"] == span
+    assert got["out_of_order"] == 0

@@ -70,6 +70,11 @@ logger = logging.getLogger(__name__)
 _LOG_INTERVAL_S = 5.0
 
 
+#: Copies of the FINAL frame sent after it, and their spacing (see ``Publisher._send_final``).
+FINAL_REPEATS = 4
+FINAL_GAP_S = 0.05
+
+
 @dataclass
 class PublisherStats:
     """Counters of one :class:`Publisher`.
@@ -568,6 +573,32 @@ class Publisher:
         self._send(sock, self._stream_topic, [self._heartbeat()], flags)
         self.stats.heartbeats_sent += 1
 
+    def _send_final(self, sock: zmq.Socket[Any]) -> None:
+        """The FINAL heartbeat, then the same frame (same sequence number) again a few times.
+
+        A subscriber slower than the stream has a full queue when the publisher stops, and a
+        PUB socket drops what does not fit: a single FINAL would be lost exactly when the
+        subscriber also lost frames before it, and the tail of its loss would go uncounted.
+        Repeats spaced :data:`FINAL_GAP_S` apart land once the subscriber has read a little;
+        subscribers take the first and ignore the copies (``docs/wire-format.md``).
+        """
+        if not self._is_wanted(self._stream_topic):  # pragma: no cover - stream/ is always on
+            self._send_heartbeat(sock, FLAG_FINAL)
+            return
+        parts = self._encoder.encode(self._stream_topic, [self._heartbeat()], flags=FLAG_FINAL)
+        self.stats.heartbeats_sent += 1
+        listening = self.stats.subscriptions > self.stats.unsubscriptions
+        for attempt in range(1 + (FINAL_REPEATS if listening else 0)):
+            if attempt:
+                time.sleep(FINAL_GAP_S)
+            try:
+                sock.send_multipart(parts, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                continue
+            if not attempt:
+                self.stats.frames_sent += 1
+                self.stats.events_sent += 1
+
     def _final_flush(self) -> None:
         """On shutdown: send everything pending, then the FINAL heartbeat."""
         sock = self._sock
@@ -575,7 +606,7 @@ class Publisher:
             return
         try:
             self._service(sock, math.inf)
-            self._send_heartbeat(sock, FLAG_FINAL)
+            self._send_final(sock)
         except zmq.ZMQError as exc:  # pragma: no cover - defensive
             logger.warning("publisher %s: final flush failed: %s", self._stream_id, exc)
         logger.info(

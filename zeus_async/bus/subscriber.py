@@ -94,6 +94,23 @@ class StreamStats:
     finished: bool = False
     next_seq: int | None = None
     next_topic_seq: dict[str, int] = field(default_factory=dict)
+    last_frame_at: float = 0.0
+
+    def describe(self, now: float, silent_after_s: float = 3.0) -> str:
+        """One line for people: frames received and lost, and whether the tail is known.
+
+        Frames lost after the last one received are known only from the stream's end (the
+        FINAL frame, whose sequence number counts them); a stream with no FINAL is reported
+        as still running (a frame within ``silent_after_s``) or as gone silent, its tail
+        unknown, never as complete.
+        """
+        who = f"stream {self.stream_id[:8]} ({self.host or '?'})"
+        head = f"{who}: {self.frames_received} frame(s) received, {self.frames_lost} lost"
+        if self.finished:
+            return head + " (ended; tail counted)"
+        if now - self.last_frame_at <= silent_after_s:
+            return head + " so far (still running; later frames not counted)"
+        return head + " before it went silent with no end of stream: tail unknown"
 
 
 @dataclass
@@ -470,6 +487,9 @@ class Subscriber:
         st = stats.streams.get(header.stream_id)
         if st is None:
             st = stats.streams[header.stream_id] = StreamStats(header.stream_id)
+        if st.finished and header.flags & 1:
+            return None  # a copy of the FINAL frame already taken (publishers repeat it)
+        st.last_frame_at = time.monotonic()
         st.frames_received += 1
         stats.frames_received += 1
         self._track(st, topic, header)
