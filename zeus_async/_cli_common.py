@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import anyio
 import anyio.abc
@@ -149,3 +151,16 @@ def fmt_cell(value: float | int | None, scale: float = 1.0, digits: int = 1) -> 
     if value is None:
         return "-"
     return f"{value / scale:.{digits}f}"
+
+
+def streams_ended(stats: Any) -> bool:
+    """Every stream seen so far has sent its end (FINAL); at least one was seen."""
+    return bool(stats.streams) and all(st.finished for st in stats.streams.values())
+
+
+def report_streams(stats: Any) -> None:
+    """On stderr, one line per stream that lost frames or whose tail is not known."""
+    now = time.monotonic()
+    for st in stats.streams.values():
+        if st.frames_lost or not st.finished:
+            sys.stderr.write(f"zeus-async: {st.describe(now)}\n")

@@ -19,7 +19,14 @@ from typing import Any, TextIO
 import anyio
 import msgspec
 
-from ._cli_common import nonnegative_int, positive_int, until_stopped, wait_for_publisher
+from ._cli_common import (
+    nonnegative_int,
+    positive_int,
+    report_streams,
+    streams_ended,
+    until_stopped,
+    wait_for_publisher,
+)
 from .errors import ConfigError
 from .events import Event, StreamInfo, event_kind
 
@@ -86,6 +93,9 @@ def add_parsers(sub: Any, positive_float: Callable[[str], float]) -> None:
         "--wait", type=positive_float, default=10.0, help="give up if no publisher answers (s)"
     )
     rec.add_argument("--force", action="store_true", help="overwrite an existing recording")
+    rec.add_argument(
+        "--until-end", action="store_true", help="stop once every stream seen has ended"
+    )
 
     plo = sub.add_parser("plot", help="draw per-GPU power over time, windows shaded (PNG)")
     plo.add_argument("file")
@@ -317,12 +327,15 @@ async def _record(args: argparse.Namespace, out: TextIO) -> int:
                     count += 1
                     if args.count is not None and count >= args.count:
                         break
+                    if args.until_end and streams_ended(sub.stats):
+                        break
             batches.close()
         stats = sub.stats
     out.write(
         f"recorded {recorder.events_written} events in {recorder.frames_written} frames "
         f"to {', '.join(map(str, recorder.paths))}; {stats.frames_lost} frame(s) lost on the bus\n"
     )
+    report_streams(stats)
     return 0
 
 

@@ -24,7 +24,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -36,7 +35,9 @@ from . import _cli_pfo, _cli_processes, _cli_store
 from ._cli_common import (
     Interrupted,
     positive_int,
+    report_streams,
     run_command,
+    streams_ended,
     until_stopped,
     wait_for_publisher,
 )
@@ -386,19 +387,6 @@ async def _subscribe(args: argparse.Namespace, out: TextIO) -> int:
     logger.info("received %d event(s); %d frame(s) lost", count, stats.frames_lost)
     report_streams(stats)
     return EXIT_OK
-
-
-def streams_ended(stats: Any) -> bool:
-    """Every stream seen so far has sent its end (FINAL); at least one was seen."""
-    return bool(stats.streams) and all(st.finished for st in stats.streams.values())
-
-
-def report_streams(stats: Any) -> None:
-    """On stderr, one line per stream that lost frames or whose tail is not known."""
-    now = time.monotonic()
-    for st in stats.streams.values():
-        if st.frames_lost or not st.finished:
-            sys.stderr.write(f"zeus-async: {st.describe(now)}\n")
 
 
 # -- proxy --------------------------------------------------------------------------------------

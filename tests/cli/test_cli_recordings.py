@@ -161,3 +161,28 @@ def test_plot_writes_a_png(recordings: Path, tmp_path: Path) -> None:
 def test_measurements_in_the_committed_file_are_complete(recordings: Path) -> None:
     ms = [e for e in RecordingReader(recordings / "sim_windows.zarc") if isinstance(e, Measurement)]
     assert all(set(m.gpu_energy_j) == {0, 1} for m in ms)
+
+
+def test_record_and_subscribe_end_with_the_stream(tmp_path: Path) -> None:
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    mon = popen("monitor", "--backend", "sim", "--gpus", "0", "--publish", endpoint)
+    try:
+        assert mon.stdout is not None
+        assert "Ctrl-C to stop" in mon.stdout.readline()
+        rec = popen("record", endpoint, "-o", str(tmp_path / "r.zarc"), "--until-end")
+        sub = popen("subscribe", endpoint, "--until-end")
+        time.sleep(2.0)
+        mon.terminate()  # the stream ends: both stop by themselves
+        rec_out, rec_err = rec.communicate(timeout=30)
+        sub_out, sub_err = sub.communicate(timeout=30)
+    finally:
+        if mon.poll() is None:
+            mon.kill()
+        mon.communicate(timeout=30)
+    assert rec.returncode == 0 and sub.returncode == 0, (rec_err, sub_err)
+    assert "0 frame(s) lost on the bus" in rec_out
+    # Ended with its FINAL: nothing to say about tails (no line unless something was lost).
+    assert "tail unknown" not in rec_err + sub_err and "still running" not in rec_err + sub_err
+    assert sum(line.startswith("gpu ") for line in sub_out.splitlines()) > 50
+    assert RecordingReader(tmp_path / "r.zarc").header.meta["hosts"]
