@@ -186,3 +186,27 @@ def test_record_and_subscribe_end_with_the_stream(tmp_path: Path) -> None:
     assert "tail unknown" not in rec_err + sub_err and "still running" not in rec_err + sub_err
     assert sum(line.startswith("gpu ") for line in sub_out.splitlines()) > 50
     assert RecordingReader(tmp_path / "r.zarc").header.meta["hosts"]
+
+
+def test_replay_publishes_its_own_stream(recordings: Path) -> None:
+    # The recording holds the recorded stream's StreamInfo and heartbeats; the replay is a
+    # stream of its own and describes itself only.
+    src = recordings / "sim_windows.zarc"
+    recorded = {e.stream_id for e in RecordingReader(src) if isinstance(e, StreamInfo)}
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    replay = popen(
+        "replay", str(src), "--speed", "max", "--publish", endpoint, "--wait-subscriber", "20"
+    )
+    try:
+        sub = run_cli("subscribe", endpoint, "--json", "--until-end")
+        assert sub.returncode == 0, sub.stderr
+        events = [json.loads(line) for line in sub.stdout.splitlines()]
+        own = {e["stream_id"] for e in events if e["kind"] in ("stream", "heartbeat")}
+        assert len(own) == 1 and not own & recorded, (own, recorded)
+        assert "tail unknown" not in sub.stderr
+        _, err = replay.communicate(timeout=60)
+        assert replay.returncode == 0, err
+    finally:
+        if replay.poll() is None:
+            replay.kill()
+            replay.communicate()

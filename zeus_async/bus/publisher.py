@@ -89,6 +89,8 @@ class PublisherStats:
         unsubscriptions: Unsubscribe messages received.
         stream_infos_sent: StreamInfo frames sent (readiness handshakes).
         heartbeats_sent: Heartbeat frames sent.
+        foreign_stream_events: StreamInfo and Heartbeat events of *other* streams handed to
+            :meth:`publish` (a replayed recording's) and not sent: a stream describes itself.
         frames_unsubscribed: Frames sequenced but not sent because no subscription matched
             their topic (not losses: no subscriber was there to receive them).
         events_unsubscribed: Events in those frames.
@@ -102,6 +104,7 @@ class PublisherStats:
     unsubscriptions: int = 0
     stream_infos_sent: int = 0
     heartbeats_sent: int = 0
+    foreign_stream_events: int = 0
     frames_unsubscribed: int = 0
     events_unsubscribed: int = 0
 
@@ -288,6 +291,14 @@ class Publisher:
                 except KeyError:
                     topic = self._gpu_topic(event)
             else:
+                if type(event) in (StreamInfo, Heartbeat):
+                    # Another stream's description or liveness (a replayed recording, a
+                    # relay): inside this stream it would lie about whose frames these are.
+                    # This publisher sends its own.
+                    assert isinstance(event, (StreamInfo, Heartbeat))
+                    if event.stream_id != self._stream_id:
+                        self.stats.foreign_stream_events += 1
+                        continue
                 topic = event_topic(event)
             batch = open_.get(topic)
             if batch is not None:
