@@ -70,8 +70,9 @@ logger = logging.getLogger(__name__)
 _LOG_INTERVAL_S = 5.0
 
 
-#: Copies of the FINAL frame sent after it, and their spacing (see ``Publisher._send_final``).
-FINAL_REPEATS = 4
+#: How long a closing publisher with subscribers keeps re-sending its FINAL frame, and how
+#: often (see ``Publisher._send_final``).
+FINAL_WAIT_S = 0.5
 FINAL_GAP_S = 0.05
 
 
@@ -585,21 +586,22 @@ class Publisher:
         self.stats.heartbeats_sent += 1
 
     def _send_final(self, sock: zmq.Socket[Any]) -> None:
-        """The FINAL heartbeat, then the same frame (same sequence number) again a few times.
+        """The FINAL heartbeat, then the same frame (same sequence number) again while
+        subscribers are connected, every :data:`FINAL_GAP_S` for :data:`FINAL_WAIT_S`.
 
         A subscriber slower than the stream has a full queue when the publisher stops, and a
-        PUB socket drops what does not fit: a single FINAL would be lost exactly when the
-        subscriber also lost frames before it, and the tail of its loss would go uncounted.
-        Repeats spaced :data:`FINAL_GAP_S` apart land once the subscriber has read a little;
-        subscribers take the first and ignore the copies (``docs/wire-format.md``).
+        PUB socket drops what does not fit: a single FINAL would be lost exactly when frames
+        before it were, and the loss at the tail would go uncounted. A subscriber also loses
+        what it has not read yet when the publisher's connection closes. The copies keep the
+        stream open a little longer and land once the subscriber has read a little;
+        subscribers take the first and ignore the copies. One further behind sees no FINAL and
+        reports its tail as unknown (``docs/wire-format.md``).
         """
-        if not self._is_wanted(self._stream_topic):  # pragma: no cover - stream/ is always on
-            self._send_heartbeat(sock, FLAG_FINAL)
-            return
         parts = self._encoder.encode(self._stream_topic, [self._heartbeat()], flags=FLAG_FINAL)
         self.stats.heartbeats_sent += 1
         listening = self.stats.subscriptions > self.stats.unsubscriptions
-        for attempt in range(1 + (FINAL_REPEATS if listening else 0)):
+        copies = round(FINAL_WAIT_S / FINAL_GAP_S) if listening else 0
+        for attempt in range(1 + copies):
             if attempt:
                 time.sleep(FINAL_GAP_S)
             try:
