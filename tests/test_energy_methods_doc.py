@@ -20,9 +20,12 @@ def _produced() -> set[str]:
     names: set[str] = set()
     for path in SOURCES:
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str):
-                if NAME.match(node.value):  # noqa: SIM102 - one condition per line reads better
-                    names.add(node.value)
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and NAME.match(node.value)
+            ):
+                names.add(node.value)
             if isinstance(node, ast.JoinedStr):  # f"{...}, clamped": a documented suffix
                 for part in node.values:
                     if isinstance(part, ast.Constant) and SUFFIX.match(str(part.value)):
