@@ -150,6 +150,8 @@ async def _inspect(args: argparse.Namespace, out: TextIO) -> int:
     report = rec.report
     state = "complete" if report.clean else "DAMAGED"
     w(f"frames      {report.frames_ok}, events {report.events_ok} ({state})\n")
+    if report.header_damage:
+        w(f"header      {report.header_damage} (host, devices and metadata unknown)\n")
     if report.torn_tail_offset is not None:
         w(
             f"torn tail   {report.torn_tail_bytes} bytes at offset {report.torn_tail_offset}"

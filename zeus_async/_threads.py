@@ -54,6 +54,11 @@ class DaemonExecutor(Executor):
     the interpreter's exit waits for it. The thread starts on the first call.
     """
 
+    #: Calls submitted to any DaemonExecutor and not finished yet (a fake clock must not jump
+    #: while real-time work is in flight; see ``clock._worker_threads_busy``).
+    in_flight = 0
+    _count_lock = threading.Lock()
+
     def __init__(self, name: str) -> None:
         self._name = name
         self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None]
@@ -70,20 +75,26 @@ class DaemonExecutor(Executor):
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
                 self._thread.start()
+            with DaemonExecutor._count_lock:
+                DaemonExecutor.in_flight += 1
             self._jobs.put((future, lambda: fn(*args, **kwargs)))
         return future
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
             future, fn = job
-            if not future.set_running_or_notify_cancel():
-                continue
             try:
-                result = fn()
-            except BaseException as exc:
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    result = fn()
+                except BaseException as exc:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+            finally:
+                with DaemonExecutor._count_lock:
+                    DaemonExecutor.in_flight -= 1
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._lock:

@@ -41,10 +41,16 @@ class Clock(Protocol):
 
 
 def _worker_threads_busy() -> bool:
-    """Whether work handed to anyio's worker threads (file writes, compression, offloaded
-    reads) is still running. It takes real time, and whoever waits for it is not among the
-    sleepers, so an autojump meanwhile would skip past deadlines they would have met."""
-    return anyio.to_thread.current_default_thread_limiter().borrowed_tokens > 0
+    """Whether work handed to anyio's worker threads (compression, offloaded reads) or to a
+    :class:`~zeus_async._threads.DaemonExecutor` (file writes) is still running. It takes
+    real time, and whoever waits for it is not among the sleepers, so an autojump meanwhile
+    would skip past deadlines they would have met."""
+    from ._threads import DaemonExecutor
+
+    return (
+        anyio.to_thread.current_default_thread_limiter().borrowed_tokens > 0
+        or DaemonExecutor.in_flight > 0
+    )
 
 
 class RealClock:

@@ -154,3 +154,24 @@ def test_bad_times_and_duplicates_are_dropped_and_counted_never_fatal(tmp_path: 
     for e in samples:
         clean.add(e)
     assert gpu.energy_j == clean.devices["gpu:0"].energy_j  # the late one changed nothing
+
+
+def test_frames_are_read_without_a_damaged_header(tmp_path: Path) -> None:
+    # One flipped bit in the header (its body, or its length field) used to make the whole
+    # file unreadable; the frames carry everything but the run metadata.
+    for compression in ("zstd", "none"):
+        header = RecordingHeader(host="h", start_wall_ns=1, pid=1, compression=compression)
+        codec = PayloadCodec(compression)
+        events = [GpuSample("h", 10 + i, 0, 100.0) for i in range(6)]
+        frames = b"".join(encode_frame(events[i : i + 2], codec=codec) for i in range(0, 6, 2))
+        head = encode_header(header)
+        for pos in (len(head) - 6, 9):  # inside the body; inside the body length
+            data = bytearray(head + frames)
+            data[pos] ^= 0x10
+            path = tmp_path / f"flip-{compression}-{pos}.zarc"
+            path.write_bytes(bytes(data))
+            reader = RecordingReader(path)
+            assert list(reader) == events, (compression, pos)
+            assert reader.report.header_damage and not reader.report.clean
+            assert reader.header.meta["header"].startswith("damaged: ")
+            assert reader.header.compression == compression

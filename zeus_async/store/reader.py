@@ -41,6 +41,7 @@ import anyio
 from ..errors import CodecError, ConfigError, ZeusAsyncError
 from ..events import (
     EVENT_TYPES,
+    SCHEMA_VERSION,
     ClockChange,
     DeviceFault,
     Event,
@@ -53,12 +54,14 @@ from ..events import (
     event_topic,
 )
 from .format import (
+    FORMAT_VERSION,
     FRAME_MAGIC,
     FRAME_PREFIX_SIZE,
     HEADER_PREFIX_SIZE,
     MAX_FRAME_BYTES,
     FramePrefix,
     HeaderPrefix,
+    NotARecordingError,
     PayloadCodec,
     RecordingHeader,
     decode_header,
@@ -91,6 +94,8 @@ class RecoveryReport:
         torn_tail_part: The file whose tail is torn (the recording's last part, unless a
             part in the middle is damaged too), or ``None``.
         parts: The files the pass read, in order (one unless the recording was rotated).
+        header_damage: Why the recording's header could not be read, when its frames were
+            read without it (``None``: the header is intact).
         unchecked_candidates: Frame markers inside damaged ranges that were skipped without
             checking, because checking them would have exceeded the resynchronization budget
             (only crafted files get there; see ``docs/recording-format.md``).
@@ -104,11 +109,12 @@ class RecoveryReport:
     torn_tail_part: str | None = None
     parts: list[str] = field(default_factory=list)
     unchecked_candidates: int = 0
+    header_damage: str | None = None
 
     @property
     def clean(self) -> bool:
         """True when nothing was torn or corrupt."""
-        return self.torn_tail_offset is None and not self.corrupt_frames
+        return self.torn_tail_offset is None and not self.corrupt_frames and not self.header_damage
 
 
 def event_device(event: Event) -> str | None:
@@ -320,15 +326,28 @@ class RecordingReader:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        with self.path.open("rb") as f:
-            head = f.read(HEADER_PREFIX_SIZE)
-            prefix: HeaderPrefix = unpack_header_prefix(head)
-            head += f.read(prefix.body_len + 4)
-        _, header, self.data_offset = decode_header(head)
+        self._header_damage: str | None = None
+        self.format_version = FORMAT_VERSION
+        self.schema_version = SCHEMA_VERSION
+        try:
+            with self.path.open("rb") as f:
+                head = f.read(HEADER_PREFIX_SIZE)
+                prefix: HeaderPrefix = unpack_header_prefix(head)
+                self.format_version = prefix.format_version
+                self.schema_version = prefix.schema_version
+                head += f.read(prefix.body_len + 4)
+            _, header, self.data_offset = decode_header(head)
+        except NotARecordingError:
+            raise
+        except CodecError as exc:
+            # A damaged header (a flipped bit fails its CRC or its length): the frames carry
+            # everything but the run metadata, so read them without it when there are any.
+            recovered = self._without_header(str(exc))
+            if recovered is None:
+                raise
+            header, self.data_offset = recovered
         self.header: RecordingHeader = header
         self._codec = PayloadCodec(header.compression)
-        self.format_version = prefix.format_version
-        self.schema_version = prefix.schema_version
         self.report = RecoveryReport()
         self._index: list[tuple[int, int]] | None = None
         self._index_t: list[int] = []
@@ -342,6 +361,30 @@ class RecordingReader:
         self.size_bytes = base
         # Data offset and codec of each part after the first (read from its header on use).
         self._part_heads: dict[int, tuple[int, PayloadCodec] | str] = {}
+
+    def _without_header(self, why: str) -> tuple[RecordingHeader, int] | None:
+        """A stand-in header and the first valid frame's offset, found by scanning with each
+        codec; ``None`` when no valid frame is found (nothing to recover)."""
+        decoder = EventDecoder()
+        with self._mapped(self.path) as (buf, end):
+            for compression in ("zstd", "none"):
+                codec = PayloadCodec(compression)
+                start = HEADER_PREFIX_SIZE
+                found = _resync(buf, start, end, decoder, codec, _ResyncCost(start))
+                if found is None:
+                    continue
+                result = _validate(buf, found, end, decoder, codec)
+                assert not isinstance(result, str)
+                _, events = result
+                self._header_damage = f"{why}; frames read without it"
+                logger.warning("recording %s: header damaged (%s)", self.path, self._header_damage)
+                header = RecordingHeader(
+                    start_wall_ns=events[0].t_ns,
+                    compression=compression,
+                    meta={"header": f"damaged: {why}"},
+                )
+                return header, found
+        return None
 
     def _part_head(self, k: int) -> tuple[int, PayloadCodec] | str:
         """Data offset and codec of part ``k``, or why its header cannot be read."""
@@ -410,7 +453,7 @@ class RecordingReader:
                 ]
 
     def _new_report(self) -> RecoveryReport:
-        self.report = RecoveryReport()
+        self.report = RecoveryReport(header_damage=self._header_damage)
         return self.report
 
     def __iter__(self) -> Iterator[Event]:
