@@ -246,13 +246,17 @@ async def test_malformed_frames_are_counted_and_skipped(ipc_endpoint: str) -> No
             unknown = msgspec.msgpack.encode([["new_kind", 1], *msgspec.msgpack.decode(good[2])])
             hdr = enc.encode("gpu/n1/0", [gpu(1), gpu(1)])[1]
             raw.send_multipart([b"gpu/n1/0", hdr, unknown])
+            # A forged header whose sequence numbers jump by 2**63: not 9.2e18 lost frames.
+            forged = bytearray(hdr)
+            forged[24:40] = (2**63).to_bytes(8, "big") * 2
+            raw.send_multipart([b"gpu/n1/0", bytes(forged), good[2]])
             raw.send_multipart(enc.encode("gpu/n1/0", [gpu(3)]))
             events = await take(sub, 2)
     finally:
         raw.close(0)
         ctx.term()
     assert events == [gpu(1), gpu(3)]
-    assert sub.stats.decode_errors == 4
+    assert sub.stats.decode_errors == 5
     assert sub.stats.unknown_events == 1
     assert sub.stats.frames_lost == 0
 

@@ -61,6 +61,11 @@ _FAILURES = frozenset(
 )
 _HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | functools.reduce(operator.or_, _FAILURES)
 
+#: The largest sequence jump counted as lost frames (2**32: over a day of a stream publishing
+#: 40,000 frames a second). A larger one comes from a damaged or forged header: the frame is a
+#: decode error and the expected number stays where it was.
+MAX_SEQ_JUMP = 2**32
+
 #: Topic prefix of StreamInfo / Heartbeat frames; always subscribed.
 STREAM_TOPIC_PREFIX = "stream/"
 
@@ -489,10 +494,13 @@ class Subscriber:
             st = stats.streams[header.stream_id] = StreamStats(header.stream_id)
         if st.finished and header.flags & 1:
             return None  # a copy of the FINAL frame already taken (publishers repeat it)
+        if not self._track(st, topic, header):
+            return self._decode_error(
+                f"stream {header.stream_id} seq {header.seq}: implausible sequence jump"
+            )
         st.last_frame_at = time.monotonic()
         st.frames_received += 1
         stats.frames_received += 1
-        self._track(st, topic, header)
         decoder = self._decoder
         unknown = decoder.unknown_events
         try:
@@ -521,25 +529,32 @@ class Subscriber:
             return Frame(topic, header, events)
         return None
 
-    def _track(self, st: StreamStats, topic: str, header: FrameHeader) -> None:
+    def _track(self, st: StreamStats, topic: str, header: FrameHeader) -> bool:
+        """Account the frame's sequence number; ``False`` when it is implausible (a jump of
+        more than :data:`MAX_SEQ_JUMP` frames: a damaged or forged header, not a loss)."""
         if self._all_topics:
             seq = header.seq
             expected = st.next_seq
-            st.next_seq = seq + 1 if expected is None or seq >= expected else expected
         else:
             seq = header.topic_seq
             expected = st.next_topic_seq.get(topic)
+        if expected is not None and seq - expected > MAX_SEQ_JUMP:
+            return False
+        if self._all_topics:
+            st.next_seq = seq + 1 if expected is None or seq >= expected else expected
+        else:
             st.next_topic_seq[topic] = seq + 1 if expected is None or seq >= expected else expected
         if expected is None or seq == expected:
-            return
+            return True
         if seq < expected:
             st.out_of_order += 1
-            return
+            return True
         lost = seq - expected
         st.frames_lost += lost
         self.stats.frames_lost += lost
         self._gaps_unlogged += lost
         self._log_gaps(st=st, topic=topic)
+        return True
 
     def _log_gaps(
         self, *, force: bool = False, st: StreamStats | None = None, topic: str = ""
