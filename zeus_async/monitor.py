@@ -29,7 +29,6 @@ readings, so short windows are never 0 J) or, before Volta, from integrated powe
 from __future__ import annotations
 
 import csv
-import errno
 import functools
 import io
 import logging
@@ -132,20 +131,6 @@ def window_log_consumer(
             executor.shutdown(wait=False)
 
     return consume
-
-
-def _check_output_path(what: str, path: str | Path | None) -> None:
-    """Refuse an output path the agent could not write, here, with the path in the error."""
-    if path is None:
-        return
-    p = Path(path)
-    if p.is_dir():
-        raise IsADirectoryError(errno.EISDIR, f"{what} is a directory", str(p))
-    parent = p.parent if str(p.parent) else Path(".")
-    if not parent.is_dir():
-        raise FileNotFoundError(errno.ENOENT, f"the directory of {what} does not exist", str(p))
-    if not os.access(parent, os.W_OK):
-        raise PermissionError(errno.EACCES, f"cannot write {what} in its directory", str(p))
 
 
 def _agent_endpoint(agent: str | bool | None, *, private_only: bool) -> str | None:
@@ -312,8 +297,7 @@ class Monitor(ClosedOnExit):
                     f"{', '.join(sorted(unknown))}: not available with sampler='process' "
                     "(use sampler='thread')"
                 )
-            _check_output_path("record", record)
-            _check_output_path("log_file", log_file)
+            # Refused here, with the path in the error, not later in the agent.
             if record is not None:
                 claim_output(
                     record,
@@ -322,6 +306,8 @@ class Monitor(ClosedOnExit):
                     recording=True,
                     force_hint="overwrite=True",
                 )
+            if log_file is not None:  # appended to: only that it can be written
+                claim_output(log_file, overwrite=True, what="window log")
             private_only = (
                 record is not None
                 or publish is not None

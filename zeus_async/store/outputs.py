@@ -63,6 +63,10 @@ def claim_output(
             false.
         IsADirectoryError: ``path`` is a directory.
         FileNotFoundError: ``path``'s directory does not exist.
+        PermissionError: ``path``'s directory is not writable.
+
+    With ``overwrite=True`` and no ``inputs`` it only checks that ``path`` can be written
+    (appending outputs such as the window log use it so).
     """
     out = Path(path)
     for given in inputs:
@@ -81,6 +85,8 @@ def claim_output(
         raise FileNotFoundError(
             errno.ENOENT, f"the directory of the {what} does not exist", str(out)
         )
+    if not os.access(folder, os.W_OK):
+        raise PermissionError(errno.EACCES, f"cannot write the {what} in its directory", str(out))
     # Only regular files hold data to lose: a pipe or a device (/dev/null) is written to.
     existing = [p for p in recording_parts(out) if p.is_file()] if recording else []
     if not recording and out.is_file():
