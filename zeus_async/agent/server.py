@@ -27,9 +27,8 @@ import logging
 import os
 import signal
 import sys
-import threading
 from collections.abc import Iterator
-from typing import Any, NoReturn
+from typing import Any
 
 import anyio
 import msgspec
@@ -456,22 +455,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="zeus-async agent: %(message)s")
     cfg = msgspec.json.decode(argv[0], type=AgentConfig)
-    exit_now(serve(cfg))
-
-
-def exit_now(code: int) -> NoReturn:
-    """End the agent process once :func:`serve` returned: everything is restored, written and
-    closed by then, but a write hung in the kernel (a stalled recording target) would keep the
-    interpreter waiting at exit for its worker thread forever, so do not wait for threads."""
-    stuck = [t.name for t in threading.enumerate() if t.is_alive() and not t.daemon]
-    stuck = [n for n in stuck if n != threading.main_thread().name]
-    if stuck:
-        logger.debug("exiting without waiting for thread(s) %s", ", ".join(stuck))
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
+    sys.exit(serve(cfg))
 
 
 def serve(cfg: AgentConfig, *, ready_line: bool = False) -> int:
