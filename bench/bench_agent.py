@@ -35,25 +35,18 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import psutil
 
 from zeus_async.devices.sim_config import SimConfig
 from zeus_async.testing import read_sim_node_state
+from zeus_async.testing.procs import sim_env, start_node_agent, start_restore_job
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = SimConfig(num_gpus=2, seed=3)
 
 
 def _env(config: SimConfig = CONFIG, **extra: str) -> dict[str, str]:
-    return dict(
-        os.environ,
-        PYTHONUNBUFFERED="1",
-        ZEUS_ASYNC_SIM=config.to_json(),
-        PYTHONPATH=str(ROOT),
-        **extra,
-    )
+    return sim_env(config, **extra)
 
 
 def _restored() -> tuple[bool, bool]:
@@ -138,21 +131,10 @@ def trial(
     setup: Setup, wait_s: float, stop: Callable[[subprocess.Popen[str], int], None]
 ) -> tuple[bool, bool]:
     with setup() as (args, env):
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "zeus_async.testing.restore_job", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=_env(**env),
-            start_new_session=True,
-        )
+        proc, agent_pid = start_restore_job(*args, env=_env(**env), stderr=subprocess.DEVNULL)
         try:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            if not line.startswith("capped"):
-                raise RuntimeError(f"job did not start: {line!r}")
             time.sleep(wait_s)
-            stop(proc, int(line.split()[1]))
+            stop(proc, agent_pid)
             proc.wait(timeout=30)
             return _wait()
         finally:
@@ -230,16 +212,7 @@ def _stop(procs: list[subprocess.Popen[str]]) -> None:
 
 
 def bench_ranks(duration_s: float, counts: list[int]) -> None:
-    node = subprocess.Popen(
-        [sys.executable, "-m", "zeus_async", "agent", "--backend", "sim", "--period", "0.01"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=_env(RANKS_CONFIG),
-    )
-    assert node.stdout is not None
-    if not node.stdout.readline().startswith("agent ready"):
-        raise RuntimeError("the node agent did not start")
+    node = start_node_agent(_env(RANKS_CONFIG), "--period", "0.01", stderr=subprocess.DEVNULL)
     rows = []
     try:
         for n in counts:
@@ -326,16 +299,7 @@ def bench_edges(n: int) -> None:
 
     config = SimConfig(num_gpus=4, seed=3)
     os.environ["ZEUS_ASYNC_SIM"] = config.to_json()
-    node = subprocess.Popen(
-        [sys.executable, "-m", "zeus_async", "agent", "--backend", "sim"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=_env(config),
-    )
-    assert node.stdout is not None
-    if not node.stdout.readline().startswith("agent ready"):
-        raise RuntimeError("the node agent did not start")
+    node = start_node_agent(_env(config), stderr=subprocess.DEVNULL)
     try:
         attached = Monitor(agent=True, gpu_indices=[0, 1, 2, 3], cpu_indices=[])
         private = Monitor(agent=False, backend="sim", cpu_indices=[], sim_config=config)

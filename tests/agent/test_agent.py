@@ -17,35 +17,19 @@ from zeus_async._paths import ensure_private_dir
 from zeus_async.devices.sim_config import SimConfig
 from zeus_async.errors import ConfigError, LeaseConflictError
 from zeus_async.testing import read_sim_node_state
+from zeus_async.testing.procs import sim_env, start_node_agent
 
 CONFIG = SimConfig(num_gpus=2, seed=11)
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _env(**extra: str) -> dict[str, str]:
-    path = os.environ.get("PYTHONPATH")
-    return dict(
-        os.environ,
-        PYTHONUNBUFFERED="1",
-        ZEUS_ASYNC_SIM=CONFIG.to_json(),
-        PYTHONPATH=str(ROOT) if not path else f"{ROOT}{os.pathsep}{path}",
-        **extra,
-    )
+    return sim_env(CONFIG, **extra)
 
 
 @pytest.fixture
 def node_agent(monkeypatch: pytest.MonkeyPatch) -> Iterator[subprocess.Popen[str]]:
     monkeypatch.setenv("ZEUS_ASYNC_SIM", CONFIG.to_json())
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "zeus_async", "agent", "--backend", "sim"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("agent ready"), (line, proc.stderr.read() if proc.stderr else "")
+    proc = start_node_agent(_env())
     yield proc
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)

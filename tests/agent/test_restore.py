@@ -20,9 +20,9 @@ import pytest
 
 from zeus_async.devices.sim_config import SimConfig
 from zeus_async.testing import read_sim_node_state
+from zeus_async.testing.procs import sim_env, start_restore_job
 
 CONFIG = SimConfig(num_gpus=2, seed=7)
-ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
 
@@ -30,32 +30,23 @@ F_SETPIPE_SZ = 1031  # fcntl: set a pipe's capacity (Linux)
 
 
 def _env(**extra: str) -> dict[str, str]:
-    path = os.environ.get("PYTHONPATH")
-    return dict(
-        os.environ,
-        PYTHONUNBUFFERED="1",
-        ZEUS_ASYNC_SIM=CONFIG.to_json(),
-        PYTHONPATH=str(ROOT) if not path else f"{ROOT}{os.pathsep}{path}",
-        **extra,
-    )
+    return sim_env(CONFIG, **extra)
 
 
 def _start(*args: str, **env: str) -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "zeus_async.testing.restore_job", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(**env),
-        start_new_session=True,  # its own process group, as a job under a shell or Slurm
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("capped"), (line, proc.stderr.read() if proc.stderr else "")
+    proc, agent_pid = start_restore_job(*args, env=_env(**env))
     state = read_sim_node_state(CONFIG)
     assert [g.power_limit_w for g in state] == [200.0, 200.0]
     assert state[0].locked_sm_clocks_mhz == (990, 990)
-    return proc, int(line.split()[1])
+    return proc, agent_pid
+
+
+def _kill_job_and_agent(proc: subprocess.Popen[str], agent_pid: int) -> None:
+    """SIGKILL of everything: nobody is left to restore."""
+    os.kill(agent_pid, signal.SIGKILL)
+    proc.kill()
+    proc.wait(timeout=20)
+    assert _gone(agent_pid)
 
 
 def _restored() -> bool:
@@ -114,10 +105,7 @@ def test_sigkill_of_the_training_process_restores() -> None:
 def test_sigkill_of_everything_is_restored_at_the_next_agent_start() -> None:
     proc, agent_pid = _start()
     try:
-        os.kill(agent_pid, signal.SIGKILL)
-        proc.kill()
-        proc.wait(timeout=20)
-        assert _gone(agent_pid)
+        _kill_job_and_agent(proc, agent_pid)
         assert not _restored()  # nobody was left to do it
         out = subprocess.run(
             [sys.executable, "-m", "zeus_async", "agent", "--restore"],
@@ -137,10 +125,7 @@ def test_sigkill_of_everything_is_restored_at_the_next_agent_start() -> None:
 def test_a_new_monitor_restores_what_a_killed_job_left() -> None:
     proc, agent_pid = _start()
     try:
-        os.kill(agent_pid, signal.SIGKILL)
-        proc.kill()
-        proc.wait(timeout=20)
-        assert _gone(agent_pid)
+        _kill_job_and_agent(proc, agent_pid)
         code = "from zeus_async import Monitor; Monitor(backend='sim', cpu_indices=[]).close()"
         subprocess.run([sys.executable, "-c", code], env=_env(), check=True, timeout=60)
         assert _restored()

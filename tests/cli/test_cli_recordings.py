@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -82,15 +85,25 @@ def test_replay_measures_the_windows_again(recordings: Path, tmp_path: Path) -> 
     assert [e for e in RecordingReader(again) if e in original] == original
 
 
-@pytest.mark.slow
-def test_replay_publishes_to_a_subscriber_process(recordings: Path) -> None:
-    port = free_port()
-    endpoint = f"tcp://127.0.0.1:{port}"
-    src = recordings / "sim_windows.zarc"
+@contextmanager
+def _publishing_replay(src: Path, endpoint: str, speed: str) -> Iterator[subprocess.Popen[str]]:
+    """``replay SRC --publish ENDPOINT``, waiting for a subscriber; killed if still running."""
     replay = popen(
-        "replay", str(src), "--speed", "4", "--publish", endpoint, "--wait-subscriber", "20"
+        "replay", str(src), "--speed", speed, "--publish", endpoint, "--wait-subscriber", "20"
     )
     try:
+        yield replay
+    finally:
+        if replay.poll() is None:
+            replay.kill()
+            replay.communicate()
+
+
+@pytest.mark.slow
+def test_replay_publishes_to_a_subscriber_process(recordings: Path) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    src = recordings / "sim_windows.zarc"
+    with _publishing_replay(src, endpoint, "4") as replay:
         want = [event_to_dict(e) for e in RecordingReader(src) if isinstance(e, GpuSample)]
         sub = run_cli("subscribe", endpoint, "--json", "--topic", "gpu/", "--count", str(len(want)))
         assert sub.returncode == 0, sub.stderr
@@ -102,10 +115,6 @@ def test_replay_publishes_to_a_subscriber_process(recordings: Path) -> None:
         assert len(got) == len(want)
         _, err = replay.communicate(timeout=60)
         assert replay.returncode == 0, err
-    finally:
-        if replay.poll() is None:
-            replay.kill()
-            replay.communicate()
 
 
 @pytest.mark.slow
@@ -194,10 +203,7 @@ def test_replay_publishes_its_own_stream(recordings: Path) -> None:
     src = recordings / "sim_windows.zarc"
     recorded = {e.stream_id for e in RecordingReader(src) if isinstance(e, StreamInfo)}
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    replay = popen(
-        "replay", str(src), "--speed", "max", "--publish", endpoint, "--wait-subscriber", "20"
-    )
-    try:
+    with _publishing_replay(src, endpoint, "max") as replay:
         sub = run_cli("subscribe", endpoint, "--json", "--until-end")
         assert sub.returncode == 0, sub.stderr
         events = [json.loads(line) for line in sub.stdout.splitlines()]
@@ -206,7 +212,3 @@ def test_replay_publishes_its_own_stream(recordings: Path) -> None:
         assert "tail unknown" not in sub.stderr
         _, err = replay.communicate(timeout=60)
         assert replay.returncode == 0, err
-    finally:
-        if replay.poll() is None:
-            replay.kill()
-            replay.communicate()

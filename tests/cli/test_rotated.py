@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import anyio
 import pytest
 from cli_helpers import run_cli
 
 from zeus_async.events import DeviceInfo, Event, GpuSample, StreamInfo
-from zeus_async.runtime.hub import EventBatches
 from zeus_async.store import Recorder, RecordingHeader, RecordingReader, recording_parts
 from zeus_async.store.analysis import Recording
+from zeus_async.testing.recording import record_events
 
 T0 = 1_700_000_000_000_000_000
 MS = 1_000_000
@@ -31,17 +30,7 @@ def _events(n: int) -> list[Event]:
 
 def _write(path: Path, events: list[Event]) -> Recorder:
     recorder = Recorder(path, header=HEADER, rotate_bytes=4096, flush_events=50)
-
-    async def main() -> None:
-        batches = EventBatches(len(events) + 1)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(recorder.run, batches)
-            for e in events:
-                await batches.send(e)
-            batches.close()
-
-    anyio.run(main)
-    return recorder
+    return record_events(recorder, events)
 
 
 @pytest.fixture

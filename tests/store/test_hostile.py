@@ -113,12 +113,10 @@ def test_resync_through_a_crafted_region_is_bounded_and_finds_the_frames_after(
 
 
 def test_bad_times_and_duplicates_are_dropped_and_counted_never_fatal(tmp_path: Path) -> None:
-    import anyio
-
     from zeus_async.aggregate import LiveTotals
     from zeus_async.aggregate.history import DeviceHistory
-    from zeus_async.runtime.hub import EventBatches
     from zeus_async.store import Recorder
+    from zeus_async.testing.recording import record_events
 
     t0 = 1_700_000_000_000_000_000
     ms = 1_000_000
@@ -127,17 +125,7 @@ def test_bad_times_and_duplicates_are_dropped_and_counted_never_fatal(tmp_path: 
     bad = [GpuSample("h", -5, 0, 100.0, 0.0), GpuSample("h", 2**64, 0, 1.0, 0.0)]
     late = GpuSample("h", samples[20].t_ns, 0, 100.0, 9.0)
     stream = [*bad, *samples[:30], late, *samples[30:]]
-    recorder = Recorder(tmp_path / "r.zarc", header=HEADER, flush_events=7)
-
-    async def main() -> None:
-        batches = EventBatches(1000)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(recorder.run, batches)
-            for e in stream:
-                await batches.send(e)
-            batches.close()
-
-    anyio.run(main)
+    recorder = record_events(Recorder(tmp_path / "r.zarc", header=HEADER, flush_events=7), stream)
     assert recorder.events_dropped == 2  # the recording went on
     read = list(RecordingReader(tmp_path / "r.zarc"))
     assert read == [*samples[:30], late, *samples[30:]]

@@ -5,7 +5,10 @@
   clocks, persistence), shared by every process: :func:`read_sim_node_state`,
   :func:`reset_sim_node_state`;
 * :mod:`zeus_async.testing.fakes` — scripted devices for runtime tests;
-* :mod:`zeus_async.testing.fake_sysfs` — a fake RAPL powercap tree.
+* :mod:`zeus_async.testing.fake_sysfs` — a fake RAPL powercap tree;
+* :mod:`zeus_async.testing.procs` — real processes on a simulated node (a node agent, the
+  restore job, their environment);
+* :mod:`zeus_async.testing.recording` — a real recorder fed from a list of events.
 """
 
 from __future__ import annotations

@@ -1,0 +1,87 @@
+"""Real processes on a simulated node, for tests and benchmarks of the agent and restores.
+
+* :func:`sim_env` — the environment of a child process simulating a node;
+* :func:`start_node_agent` — ``zeus-async agent --backend sim``, started and ready;
+* :func:`start_restore_job` — :mod:`zeus_async.testing.restore_job` in its own process
+  group, started and holding its settings.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import IO, Any
+
+from ..devices.sim_config import SimConfig
+
+__all__ = ["sim_env", "start_node_agent", "start_restore_job"]
+
+#: The directory holding the ``zeus_async`` package (put on children's ``PYTHONPATH``).
+_SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
+
+_Stderr = int | IO[Any] | None
+
+
+def sim_env(config: SimConfig, **extra: str) -> dict[str, str]:
+    """This process's environment for a child that simulates ``config``'s node: unbuffered
+    output, ``ZEUS_ASYNC_SIM`` set, this ``zeus_async`` importable, plus ``extra``."""
+    path = os.environ.get("PYTHONPATH")
+    return dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        ZEUS_ASYNC_SIM=config.to_json(),
+        PYTHONPATH=_SOURCE_ROOT if not path else f"{_SOURCE_ROOT}{os.pathsep}{path}",
+        **extra,
+    )
+
+
+def start_node_agent(
+    env: dict[str, str], *args: str, stderr: _Stderr = subprocess.PIPE
+) -> subprocess.Popen[str]:
+    """``zeus-async agent --backend sim ARGS``, returned once it printed ``agent ready``.
+
+    Raises:
+        RuntimeError: It exited or printed something else first (with its stderr).
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zeus_async", "agent", "--backend", "sim", *args],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("agent ready"):
+        proc.kill()
+        _, err = proc.communicate()
+        raise RuntimeError(f"the node agent did not start: {line!r} {err or ''}")
+    return proc
+
+
+def start_restore_job(
+    *args: str, env: dict[str, str], stderr: _Stderr = subprocess.PIPE
+) -> tuple[subprocess.Popen[str], int]:
+    """The restore job (``ARGS`` as its options) in its own process group, as a job under a
+    shell or Slurm; returned with its agent's pid once it has changed the settings.
+
+    Raises:
+        RuntimeError: It exited or printed something else first (with its stderr).
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zeus_async.testing.restore_job", *args],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("capped"):
+        proc.kill()
+        _, err = proc.communicate()
+        raise RuntimeError(f"the restore job did not start: {line!r} {err or ''}")
+    return proc, int(line.split()[1])
