@@ -194,8 +194,9 @@ def render_table(totals: LiveTotals) -> list[str]:
         f"{'SM MHz':>8}{'util %':>8}{'mem GiB':>9}{'limit W':>9}  method"
     )
     lines = [header, "-" * len(header)]
-    for key in sorted(totals.devices, key=_device_sort_key):
-        t = totals.devices[key]
+    devices = totals.devices  # a view built on each access
+    for key in sorted(devices, key=_device_sort_key):
+        t = devices[key]
         last = t.last
         status = (t.fault and f"FAULT:{t.fault}") or t.method
         util = last.get("utilization_frac")
@@ -222,8 +223,9 @@ def render_totals(totals: LiveTotals) -> list[str]:
     """Lines of the closing summary: energy, duration and mean power per device."""
     lines = [f"{'device':<16}{'energy J':>12}{'time s':>9}{'mean W':>9}  method"]
     total_gpu = 0.0
-    for key in sorted(totals.devices, key=_device_sort_key):
-        t = totals.devices[key]
+    devices = totals.devices  # a view built on each access
+    for key in sorted(devices, key=_device_sort_key):
+        t = devices[key]
         energy = t.energy_j
         mean = energy / t.duration_s if energy is not None and t.duration_s > 0 else None
         if energy is not None and key.startswith("gpu:"):

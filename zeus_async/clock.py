@@ -20,6 +20,8 @@ from typing import Protocol, runtime_checkable
 import anyio
 import anyio.to_thread
 
+from ._threads import DaemonExecutor
+
 __all__ = ["Clock", "FakeClock", "RealClock"]
 
 
@@ -45,8 +47,6 @@ def _worker_threads_busy() -> bool:
     :class:`~zeus_async._threads.DaemonExecutor` (file writes) is still running. It takes
     real time, and whoever waits for it is not among the sleepers, so an autojump meanwhile
     would skip past deadlines they would have met."""
-    from ._threads import DaemonExecutor
-
     return (
         anyio.to_thread.current_default_thread_limiter().borrowed_tokens > 0
         or DaemonExecutor.in_flight > 0
