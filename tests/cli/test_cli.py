@@ -33,7 +33,8 @@ def test_monitor_runs_on_the_simulator_and_prints_totals() -> None:
         # 40 at 702 W (705.9 W).
         assert 66.0 <= mean_w <= 721.0
         assert energy == pytest.approx(mean_w * seconds, rel=0.01)
-        assert row[4] == "counter+interpolated"
+        # Counter inside the span, power after its last update (docs/energy-methods.md).
+        assert row[4] == "counter+extrapolated"
     assert "Traceback" not in proc.stderr
 
 

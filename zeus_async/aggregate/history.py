@@ -16,6 +16,15 @@ interval ``[t0, t1]`` then comes from the best source that covers it:
   window shorter than the counter period.
 * **integrated** (pre-Volta GPUs, or no counter update yet around the interval): power samples
   integrated with the trapezoid rule, held constant beyond the first and last sample.
+* **counter** (a counter but no power samples): the counter between its first and last observed
+  updates; the partial periods at the ends are unknown and left out.
+
+The same estimator gives every energy figure: measurement windows (:meth:`DeviceHistory.energy`),
+the running totals of ``monitor``/``replay`` and the totals of ``inspect``/``Recording``
+(:meth:`DeviceHistory.span_energy`, the device's whole span). A *bounded* history (the running
+totals) forgets samples the span's energy no longer needs and keeps the few start-of-span values
+it does need, computed once they are final, so it gives bit-for-bit the figure a history that
+kept everything would.
 
 Histories are appended from the runtime's thread and read from any thread, under a lock.
 """
@@ -27,7 +36,9 @@ import logging
 import math
 import threading
 
-__all__ = ["DeviceHistory", "EnergyEstimate", "SensorModel"]
+from ..events import GpuSample, RaplSample
+
+__all__ = ["DeviceHistory", "EnergyEstimate", "SensorModel", "add_sample", "history_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +46,29 @@ _NAN = float("nan")
 _FIT_RADIUS = 10
 #: Most refined update instants a history remembers (see DeviceHistory._refined).
 _CACHE_MAX = 256
+#: Counter updates after which the span's start values are final (the grid fits around the first
+#: updates no longer change), and how many a bounded history keeps.
+_SETTLED = 2 * _FIT_RADIUS + 4
+#: Samples between two compactions of a bounded history.
+_COMPACT_EVERY = 1024
+
+_Lead = tuple[float, float, float, float, float, float]
+
+
+def history_key(event: GpuSample | RaplSample) -> str:
+    """The device a sample belongs to: ``gpu:0``, ``cpu:0/package``."""
+    if isinstance(event, GpuSample):
+        return f"gpu:{event.gpu}"
+    return f"cpu:{event.package}/{event.domain}"
+
+
+def add_sample(history: DeviceHistory, event: GpuSample | RaplSample) -> None:
+    """Account one sample in its device's history: every estimator is fed by this."""
+    if isinstance(event, GpuSample):
+        if event.power_w is not None or event.energy_j is not None:
+            history.add(event.t_ns, event.power_w, event.energy_j)
+    else:
+        history.add(event.t_ns, None, event.energy_j)
 
 
 class SensorModel:
@@ -83,13 +117,22 @@ class DeviceHistory:
         key: Device key (``gpu:0``, ``cpu:0/package``).
         fine_counter: The counter updates much faster than it is sampled (RAPL): every reading
             is an exact point of the cumulative energy.
+        sensor: How the instant-power readings relate to the counter.
+        bounded: Keep only what :meth:`span_energy` needs (constant memory over any length of
+            stream); :meth:`energy` of earlier intervals is then no longer available.
     """
 
     def __init__(
-        self, key: str, *, fine_counter: bool = False, sensor: SensorModel | None = None
+        self,
+        key: str,
+        *,
+        fine_counter: bool = False,
+        sensor: SensorModel | None = None,
+        bounded: bool = False,
     ) -> None:
         self.key = key
         self.fine_counter = fine_counter
+        self.bounded = bounded
         self.sensor = sensor if sensor is not None else SensorModel()
         self._lock = threading.Lock()
         # Power samples: time, power, cumulative trapezoid energy at that time.
@@ -113,7 +156,20 @@ class DeviceHistory:
         self.power_changes_with_counter = 0
         self._last_counter: float | None = None
         self._last_counter_t: int | None = None
+        self.first_t_ns: int | None = None
         self.last_t_ns: int | None = None
+        # The first counter instant ever (ct[0] before any trimming), the first reading of the
+        # counter (time, value), the lead-in period once final (see _lead_in), and whether
+        # counter points were dropped (the lead-in can no longer be computed).
+        self._ct_first: int | None = None
+        self._first_reading: tuple[int, float] | None = None
+        self._lead: _Lead | None = None
+        self._ct_trimmed = False
+        # Values at the span's start, kept by a bounded history once they are final: the
+        # cumulative integral at a time, and the counter at a time (linear, head model).
+        self._pin_cum: dict[float, float] = {}
+        self._pin_counter: dict[tuple[float, bool], float] = {}
+        self._since_compact = 0
         #: Samples ignored for not being later than the previous one.
         self.dropped = 0
         self.lost_at_ns: int | None = None
@@ -130,6 +186,8 @@ class DeviceHistory:
                 # the sorted lists or make a zero-length interval.
                 self.dropped += 1
                 return
+            if self.first_t_ns is None:
+                self.first_t_ns = t_ns
             if power_w is not None:
                 if self._pt:
                     t_prev, p_prev = self._pt[-1], self._pw[-1]
@@ -146,13 +204,19 @@ class DeviceHistory:
                 self._last_power = power_w
             if counter_j is not None:
                 self.has_counter = True
+                if self._first_reading is None:
+                    self._first_reading = (t_ns, counter_j)
                 if self.fine_counter:
+                    if not self._ct:
+                        self._ct_first = t_ns
                     self._ct.append(t_ns)
                     self._cb.append(t_ns)
                     self._ce.append(counter_j)
                     self._cp.append(_NAN)
                 elif self._last_counter is not None and counter_j != self._last_counter:
                     assert self._last_counter_t is not None
+                    if not self._ct:
+                        self._ct_first = (self._last_counter_t + t_ns) // 2
                     self._ct.append((self._last_counter_t + t_ns) // 2)
                     self._cb.append(self._last_counter_t)
                     self._ce.append(counter_j)
@@ -167,6 +231,60 @@ class DeviceHistory:
             if power_changed:
                 self.power_changes += 1
             self.last_t_ns = t_ns
+            if self.bounded:
+                self._since_compact += 1
+                if self._since_compact >= _COMPACT_EVERY:
+                    self._since_compact = 0
+                    self._compact()
+
+    def _compact(self) -> None:
+        """Pin the span's start values, then drop what :meth:`span_energy` no longer needs.
+
+        The span's energy reads its start at two points, the first sample ``t0`` and ``lo``
+        (the later of ``t0`` and the start of the counter's coverage), and its end at the last
+        counter instant and the last sample. The start values are pinned once final: at once
+        without a counter; with one, once the grid fit around its first updates no longer
+        changes (:data:`_SETTLED` updates), and until then nothing is dropped.
+        """
+        t0 = self.first_t_ns
+        if t0 is None:
+            return
+        pt, ct, pins = self._pt, self._ct, self._pin_cum
+        cut: float
+        if self.has_counter:
+            if len(ct) < (2 if self.fine_counter else _SETTLED):
+                return
+            lo = max(t0, self._counter_start())
+            if (lo, False) not in self._pin_counter:
+                for head in (False, True):
+                    self._pin_counter[(lo, head)] = self._counter_at(lo, head)
+            if pt and lo > pt[-1]:
+                return
+            for point in (t0, lo):
+                if pt and point not in pins:
+                    pins[point] = self._cum(point)
+            if len(ct) > _SETTLED:
+                drop = len(ct) - _SETTLED
+                del ct[:drop], self._cb[:drop], self._ce[:drop], self._cp[:drop]
+                self._ct_trimmed = True
+            cut = self._cb[0]  # the power samples around the counter points kept
+        elif pt:
+            if t0 not in pins:
+                pins[t0] = self._cum(t0)
+            cut = pt[-1]
+        else:
+            return
+        i = bisect.bisect_right(pt, cut) - 1
+        if i > 0:
+            del pt[:i], self._pw[:i], self._pc[:i]
+
+    def _counter_start(self) -> float:
+        """Where the counter's coverage starts: the lead-in's start, else the first update."""
+        lead = self._lead_in()
+        if lead is not None:
+            return lead[0]
+        assert self._ct_first is not None
+        return self._ct_first
 
     def mark_lost(self, t_ns: int) -> None:
         """The device failed at ``t_ns``: later windows cannot wait for it."""
@@ -182,6 +300,7 @@ class DeviceHistory:
                 del self._pt[:i], self._pw[:i], self._pc[:i]
             j = bisect.bisect_left(self._ct, t_ns) - 1
             if j > 0:
+                self._ct_trimmed = True
                 del self._ct[:j], self._cb[:j], self._ce[:j], self._cp[:j]
 
     # -- reading (any thread) -----------------------------------------------------------------
@@ -205,20 +324,40 @@ class DeviceHistory:
         if t1_ns < t0_ns:
             raise ValueError("interval ends before it starts")
         with self._lock:
-            ct = self._ct
-            head = self._head_model_active()
-            if len(ct) >= 2 and ct[0] <= t0_ns and ct[-1] >= t1_ns:
+            return self._energy(t0_ns, t1_ns)
+
+    def span_energy(self) -> EnergyEstimate:
+        """Energy over the device's own span, from its first to its last sample.
+
+        What :meth:`energy` gives for ``[first_t_ns, last_t_ns]``, exactly, bounded or not:
+        the one figure of a device's total in ``monitor``, ``replay``, ``inspect`` and
+        :meth:`~zeus_async.store.analysis.Recording.totals`.
+        """
+        with self._lock:
+            if self.first_t_ns is None or self.last_t_ns is None:
+                return EnergyEstimate(None, "unavailable")
+            return self._energy(self.first_t_ns, self.last_t_ns)
+
+    def _energy(self, t0_ns: int, t1_ns: int) -> EnergyEstimate:
+        ct = self._ct
+        head = self._head_model_active()
+        if len(ct) >= 2:
+            first = self._counter_start()
+            if first <= t0_ns and ct[-1] >= t1_ns:
                 e = self._counter_at(t1_ns, head) - self._counter_at(t0_ns, head)
                 return EnergyEstimate(e, "counter+interpolated")
-            if len(ct) >= 2 and self._pt and ct[0] < t1_ns and ct[-1] > t0_ns:
+            if first < t1_ns and ct[-1] > t0_ns:
                 # Counter covers part of the interval: counter inside, power at the ends.
-                lo, hi = max(t0_ns, ct[0]), min(t1_ns, ct[-1])
+                lo, hi = max(t0_ns, first), min(t1_ns, ct[-1])
                 e = self._counter_at(hi, head) - self._counter_at(lo, head)
+                if not self._pt:
+                    # No power samples to fill in the ends: the counter's part only.
+                    return EnergyEstimate(e, "counter")
                 e += self._integral(t0_ns, lo) + self._integral(hi, t1_ns)
                 return EnergyEstimate(e, "counter+extrapolated")
-            if self._pt:
-                return EnergyEstimate(self._integral(t0_ns, t1_ns), "integrated")
-            return EnergyEstimate(None, "unavailable")
+        if self._pt:
+            return EnergyEstimate(self._integral(t0_ns, t1_ns), "integrated")
+        return EnergyEstimate(None, "unavailable")
 
     def _head_model_active(self) -> bool:
         """Whether the instant-power readings behave as :class:`SensorModel` says.
@@ -235,10 +374,23 @@ class DeviceHistory:
             and self.power_changes_with_counter >= sensor.min_agreement * changes
         )
 
-    def _counter_at(self, t_ns: int, head: bool) -> float:
+    def _counter_at(self, t_ns: float, head: bool) -> float:
         """Cumulative energy at ``t_ns`` from the counter points (clamped at the ends)."""
-        ct, ce = self._ct, self._ce
+        pinned = self._pin_counter.get((t_ns, head))
+        if pinned is not None:
+            return pinned
+        lead = self._lead_in()
+        if lead is not None and t_ns < lead[2]:
+            # Inside the lead-in period, which ends at the first observed update.
+            start, c0, u1, c1, h, nxt = lead
+            offset = max(t_ns - start, 0.0)
+            energy, length = c1 - c0, u1 - start
+            if not head:
+                return c0 + energy * offset / length
+            return c0 + self._period_partial(energy, h, nxt, offset, length)
+        ct, ce, cp = self._ct, self._ce, self._cp
         i = bisect.bisect_right(ct, t_ns)
+        t_a = t_b = 0.0
         if 0 < i < len(ct) and not self.fine_counter:
             # The raw instants are midpoints of the sample interval that saw each update;
             # the refined ones come from the regular update grid around them.
@@ -255,10 +407,48 @@ class DeviceHistory:
             return ce[0]
         if i == len(ct):
             return ce[-1]
+        if t_b <= t_a:
+            # Two updates fitted to one instant (an irregular counter): a step there.
+            return ce[i] if t_ns >= t_b else ce[i - 1]
         offset = min(max(t_ns - t_a, 0), t_b - t_a)
         if not head:
             return ce[i - 1] + (ce[i] - ce[i - 1]) * offset / (t_b - t_a)
-        return ce[i - 1] + self._period_partial(i, offset, t_b - t_a)
+        nxt = cp[i + 1] if i + 1 < len(cp) else _NAN
+        return ce[i - 1] + self._period_partial(ce[i] - ce[i - 1], cp[i], nxt, offset, t_b - t_a)
+
+    def _lead_in(self) -> _Lead | None:
+        """The counter period that ends at the first observed update: ``(start, first
+        reading, first update's instant, its value, head power, next head power)``.
+
+        A coarse counter's first reading holds the value of an update before it (an instant
+        no sample saw), so it is no interpolation point by itself; but updates come on a
+        regular grid, so that update lies one period before the first observed one (and no
+        later than the reading). With it, the counter covers the span from its first reading
+        on, and the first partial period is apportioned like any other instead of being
+        integrated from the power readings (which on H100s describe the period before). Needs
+        three observed updates and a counter reading in the span's first sample; kept once
+        final (the grid fit around the first update is).
+        """
+        if self._lead is not None:
+            return self._lead
+        ct, first = self._ct, self._first_reading
+        if self.fine_counter or first is None or len(ct) < 3 or self._ct_trimmed:
+            return None
+        if first[0] != self.first_t_ns:
+            # The counter was first read after the span began: the head stays integrated from
+            # power (and a bounded history need not keep the samples before that reading).
+            return None
+        n = min(len(ct), _FIT_RADIUS + 1)
+        diffs = sorted(ct[i + 1] - ct[i] for i in range(n - 1))
+        period = diffs[len(diffs) // 2]
+        u1 = self._refined(0)
+        start = min(u1 - period, float(first[0]))
+        if period <= 0 or start >= u1:
+            return None
+        lead = (start, first[1], u1, self._ce[0], self._cp[0], self._cp[1])
+        if len(ct) > _FIT_RADIUS + 1:
+            self._lead = lead
+        return lead
 
     def _refined(self, k: int) -> float:
         """Update instant ``k`` from a regular grid fitted to its neighbours' brackets.
@@ -320,21 +510,20 @@ class DeviceHistory:
                 return ct[ref] + last
         return ct[ref] + my - slope * (mx - xs[k - lo])
 
-    def _period_partial(self, j: int, offset_ns: float, length_ns: float) -> float:
-        """Energy of counter period ``(ct[j-1], ct[j]]`` from its start to ``offset_ns``.
+    def _period_partial(
+        self, energy: float, h: float, c: float, offset_ns: float, length_ns: float
+    ) -> float:
+        """Energy of a counter period (``energy`` over ``length_ns``) up to ``offset_ns``.
 
         The period's energy ``E`` is exact. Its head power ``h`` (the mean over the first
-        ``head_window_s``) was reported by the sample that observed update ``j``; the next
-        period's head ``c`` by the one that observed update ``j+1``. The tail is taken as one
+        ``head_window_s``) was reported by the sample that observed the update ending it; the
+        next period's head ``c`` by the one that observed the next update. The tail is taken as one
         step from ``h`` to ``c`` placed so that the energies add up to ``E`` — exact for
         piecewise-constant power with at most one step in the tail — and uniform when that
         does not fit.
         """
-        ce, cp = self._ce, self._cp
         length = length_ns / 1e9
-        energy = ce[j] - ce[j - 1]
         x = offset_ns / 1e9
-        h = cp[j]
         w = min(self.sensor.head_window_s, length)
         if h != h or length <= 0:  # NaN: no head reading
             return energy * x / length if length > 0 else 0.0
@@ -343,7 +532,6 @@ class DeviceHistory:
         if tail_e < 0 or tail_l <= 0:
             return energy * x / length
         segments: list[tuple[float, float, float]] = [(0.0, w, h)]
-        c = cp[j + 1] if j + 1 < len(cp) else _NAN
         step = (tail_e - c * tail_l) / (h - c) if c == c and abs(h - c) > 1e-9 else -1.0
         if 0.0 <= step <= tail_l:
             segments += [(w, w + step, h), (w + step, length, c)]
@@ -356,8 +544,11 @@ class DeviceHistory:
             total += power * (min(x, b) - a)
         return total
 
-    def _cum(self, t_ns: int) -> float:
+    def _cum(self, t_ns: float) -> float:
         """Cumulative integrated power at ``t_ns`` (power held constant outside the samples)."""
+        pinned = self._pin_cum.get(t_ns)
+        if pinned is not None:
+            return pinned
         pt, pw, pc = self._pt, self._pw, self._pc
         i = bisect.bisect_right(pt, t_ns)
         if i == 0:
@@ -370,7 +561,7 @@ class DeviceHistory:
         p_t = p_a + (p_b - p_a) * f
         return pc[i - 1] + (p_a + p_t) / 2 * (t_ns - t_a) / 1e9
 
-    def _integral(self, t0_ns: int, t1_ns: int) -> float:
+    def _integral(self, t0_ns: float, t1_ns: float) -> float:
         if t1_ns <= t0_ns:
             return 0.0
         return self._cum(t1_ns) - self._cum(t0_ns)

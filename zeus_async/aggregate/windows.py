@@ -40,7 +40,7 @@ from ..events import (
     WindowClose,
     WindowOpen,
 )
-from .history import DeviceHistory, EnergyEstimate
+from .history import DeviceHistory, EnergyEstimate, add_sample, history_key
 
 __all__ = [
     "EnergyEstimate",
@@ -350,12 +350,10 @@ class WindowTracker:
         """Account one event from the stream (runtime thread)."""
         if isinstance(event, GpuSample):
             if event.power_w is not None or event.energy_j is not None:
-                self._history(f"gpu:{event.gpu}").add(event.t_ns, event.power_w, event.energy_j)
+                add_sample(self._history(history_key(event)), event)
         elif isinstance(event, RaplSample):
             if event.domain in ("package", "dram"):
-                self._history(f"cpu:{event.package}/{event.domain}", fine=True).add(
-                    event.t_ns, None, event.energy_j
-                )
+                add_sample(self._history(history_key(event), fine=True), event)
         elif isinstance(event, DeviceFault) and event.kind == "gpu_lost":
             self._history(event.device).mark_lost(event.t_ns)
         else:

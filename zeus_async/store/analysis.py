@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Final
 
-from ..aggregate.history import DeviceHistory, EnergyEstimate
+from ..aggregate.history import DeviceHistory, EnergyEstimate, add_sample
 from ..errors import ConfigError
 from ..events import (
     EVENT_TYPES,
@@ -168,15 +168,6 @@ def _device_order(key: str) -> tuple[Any, ...]:
     parts: list[Any] = re.split(r"(\d+)", key)
     parts[1::2] = [int(p) for p in parts[1::2]]
     return (_KIND_ORDER.get(key.split(":", 1)[0], 9), *parts)
-
-
-def _feed(history: DeviceHistory, event: GpuSample | RaplSample) -> None:
-    """Account one sample the way the window tracker does (``aggregate/windows.py``)."""
-    if isinstance(event, GpuSample):
-        if event.power_w is not None or event.energy_j is not None:
-            history.add(event.t_ns, event.power_w, event.energy_j)
-    else:
-        history.add(event.t_ns, None, event.energy_j)
 
 
 class _Column:
@@ -390,7 +381,7 @@ def _load(reader: RecordingReader, progress: Progress | None) -> _Loaded:
                     fine = isinstance(group[0], RaplSample)
                     history = histories[ident] = DeviceHistory(ident[1], fine_counter=fine)
                 for event in group:
-                    _feed(history, event)
+                    add_sample(history, event)
         ticker.tick()
     ticker.finish()
     several_hosts = len({host for host, _ in columns}) > 1
@@ -402,8 +393,14 @@ def _load(reader: RecordingReader, progress: Progress | None) -> _Loaded:
         key = label(ident)
         out.columns[key] = columns[ident]
         out.spans[key] = (spans[ident][0], spans[ident][1])
-        if ident in histories:
-            out.histories[key] = histories[ident]
+        history = histories.get(ident)
+        if history is not None and history.first_t_ns is not None:
+            # A device's span is that of the samples its estimator took (not a duplicate or
+            # an out-of-order one, nor one with neither power nor energy): the span of its
+            # monitor/replay total.
+            assert history.last_t_ns is not None
+            out.histories[key] = history
+            out.spans[key] = (history.first_t_ns, history.last_t_ns)
     out.start_ns, out.end_ns = t_min, t_max
     return out
 
@@ -533,7 +530,9 @@ class Recording:
         measurement windows): energy counter with interpolation inside counter periods where it
         covers the interval, power at the ends where it covers part of it
         (``counter+extrapolated``), integrated power samples for GPUs without a counter
-        (``integrated``). ``None`` bounds are the device's first and last sample.
+        (``integrated``). ``None`` bounds are the device's first and last sample (with power
+        or energy); with both ``None`` this is the device's total, the same figure, to the
+        last bit, as ``monitor``/``replay`` give for the same samples (``docs/energy-methods.md``).
 
         An interval that reaches past the device's samples on either side (the recording's
         own ``[start_ns, end_ns]``, a window cut by a crash) is **clamped** to them: the energy
@@ -545,6 +544,8 @@ class Recording:
                 interval entirely outside the device's samples.
         """
         key = self._resolve(device, self._histories)
+        if t0_ns is None and t1_ns is None:
+            return self._histories[key].span_energy()
         first, last = self._spans[key]
         t0 = first if t0_ns is None else t0_ns
         t1 = last if t1_ns is None else t1_ns
