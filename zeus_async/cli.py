@@ -44,7 +44,7 @@ from ._cli_common import (
 from ._cli_common import fmt_cell as _fmt
 from .aggregate import LiveTotals
 from .errors import ZeusAsyncError, sole_exception
-from .events import Event, event_to_dict, event_to_json
+from .events import Event, event_to_dict
 
 logger = logging.getLogger(__name__)
 
@@ -366,6 +366,15 @@ def format_event(event: Event) -> str:
     return f"{kind:<12}{host} " + " ".join(p for p in parts if not p.endswith("=None"))
 
 
+def json_line(event: Event, *, frame: dict[str, Any]) -> str:
+    """A ``subscribe --json`` line: the event's JSON object (:func:`event_to_dict`, the line of
+    ``export --format jsonl``) with the frame that carried it under ``"frame"``: its stream
+    id, stream seq, topic and topic seq (``docs/wire-format.md`` §6)."""
+    data = event_to_dict(event)
+    data["frame"] = frame
+    return msgspec.json.encode(data).decode()
+
+
 async def _subscribe(args: argparse.Namespace, out: TextIO) -> int:
     from .bus import Subscriber
 
@@ -374,13 +383,23 @@ async def _subscribe(args: argparse.Namespace, out: TextIO) -> int:
     async with Subscriber(args.endpoints, topics=topics) as sub:
         await wait_for_publisher(sub, args.endpoints, args.wait)
         async with until_stopped(args.duration):
-            async for event in sub:
-                if args.json:
-                    out.write(event_to_json(event).decode() + "\n")
-                else:
-                    out.write(format_event(event) + "\n")
+            async for frame in sub.frames():
+                header = frame.header
+                where = {
+                    "stream_id": header.stream_id,
+                    "seq": header.seq,
+                    "topic": frame.topic,
+                    "topic_seq": header.topic_seq,
+                }
+                for event in frame.events:
+                    if args.json:
+                        out.write(json_line(event, frame=where) + "\n")
+                    else:
+                        out.write(format_event(event) + "\n")
+                    count += 1
+                    if args.count is not None and count >= args.count:
+                        break
                 out.flush()
-                count += 1
                 if args.count is not None and count >= args.count:
                     break
                 if args.until_end and streams_ended(sub.stats):

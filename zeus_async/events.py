@@ -313,6 +313,10 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", **_OPTS):
     stream_id: str
     events_published: NonNegInt = 0
     frames_published: NonNegInt = 0
+    #: Frames sequenced before this one on each topic (the next topic seq of each): sent in the
+    #: FINAL heartbeat only, so a topic-filtered subscriber can count the loss at the tail of
+    #: every topic it follows. ``None`` in periodic heartbeats.
+    topic_frames: dict[str, NonNegInt] | None = None
 
 
 Event = (
@@ -415,7 +419,8 @@ _json_encoder = msgspec.json.Encoder()
 
 def event_to_json(event: Event) -> bytes:
     """One compact JSON object for an event (:func:`event_to_dict`), no trailing newline: the
-    line format of ``zeus-async subscribe --json``, ``export --format jsonl`` and log files."""
+    line format of ``export --format jsonl`` and log files (``subscribe --json`` adds the
+    frame that carried the event)."""
     return _json_encoder.encode(event_to_dict(event))
 
 

@@ -19,7 +19,7 @@ import sys
 import anyio
 
 from zeus_async.bus import Publisher, Subscriber
-from zeus_async.events import GpuSample
+from zeus_async.events import GpuSample, Heartbeat
 
 
 def _event(i: int) -> GpuSample:
@@ -126,18 +126,27 @@ async def publisher_that_ends(endpoint: str, flood_frames: int, batch: int) -> N
     print(json.dumps({"frames_sent": s.frames_sent}), flush=True)
 
 
-async def subscriber_to_the_end(endpoint: str) -> None:
+async def subscriber_to_the_end(endpoint: str, topics: list[str]) -> None:
     """Slow; reads until the stream's end (or 20 s), then says what it counted."""
-    async with Subscriber(endpoint, topics=[""], rcvhwm=2) as sub:
+    async with Subscriber(endpoint, topics=topics, rcvhwm=2) as sub:
         await sub.wait_ready(timeout=30)
         print("ready", flush=True)
-        first_seq = final_seq = -1
+        first_seq = final_seq = first_gpu_tseq = -1
+        gpu_frames = 0
+        topic_frames: dict[str, int] | None = None
         with anyio.move_on_after(20):
             async for frame in sub.frames():
                 if first_seq < 0:
                     first_seq = frame.header.seq
+                if frame.topic.startswith("gpu/"):
+                    gpu_frames += 1
+                    if first_gpu_tseq < 0:
+                        first_gpu_tseq = frame.header.topic_seq
                 if frame.header.flags & 1:
                     final_seq = frame.header.seq
+                    (final,) = frame.events
+                    assert isinstance(final, Heartbeat)
+                    topic_frames = final.topic_frames
                     break
                 await anyio.sleep(0.002)
         (st,) = sub.stats.streams.values()
@@ -146,6 +155,9 @@ async def subscriber_to_the_end(endpoint: str) -> None:
                 {
                     "first_seq": first_seq,
                     "final_seq": final_seq,
+                    "first_gpu_topic_seq": first_gpu_tseq,
+                    "gpu_frames": gpu_frames,
+                    "topic_frames": topic_frames,
                     "finished": st.finished,
                     "frames_received": st.frames_received,
                     "frames_lost": st.frames_lost,
@@ -163,7 +175,7 @@ def main() -> None:
     elif role == "pub-end":
         anyio.run(publisher_that_ends, endpoint, int(rest[0]), int(rest[1]))
     elif role == "sub-end":
-        anyio.run(subscriber_to_the_end, endpoint)
+        anyio.run(subscriber_to_the_end, endpoint, rest[0].split(",") if rest else [""])
     else:
         anyio.run(subscriber, endpoint, rest[0], int(rest[1]), int(rest[2]))
 

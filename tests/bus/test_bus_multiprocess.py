@@ -110,10 +110,12 @@ def test_slow_subscriber_reports_exactly_what_was_lost(topic: str, tmp_path: Pat
     assert sent["events_sent"] >= flood_events + k + 1
 
 
-def test_loss_at_the_tail_is_counted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("topics", ["", "gpu/,stream/"], ids=["all-topics", "topic-filtered"])
+def test_loss_at_the_tail_is_counted(topics: str, tmp_path: Path) -> None:
     # The publisher floods a slow subscriber and closes: frames lost after the last one the
     # subscriber got are counted from the FINAL frame, which the publisher repeats so that it
-    # reaches a subscriber whose queue was full when the stream ended.
+    # reaches a subscriber whose queue was full when the stream ended. A topic-filtered
+    # subscriber counts them from the per-topic counts the FINAL heartbeat carries.
     endpoint = f"ipc://{tmp_path}/end.sock"
     if len(endpoint) > 100:
         endpoint = f"ipc:///tmp/zb-end-{os.getpid()}.sock"
@@ -121,7 +123,7 @@ def test_loss_at_the_tail_is_counted(tmp_path: Path) -> None:
     sub = None
     try:
         assert pub.readline() == "bound"
-        sub = Proc("sub-end", endpoint)
+        sub = Proc("sub-end", endpoint, topics)
         assert sub.readline() == "ready"
         pub.send("go")
         sent = pub.json()
@@ -133,8 +135,52 @@ def test_loss_at_the_tail_is_counted(tmp_path: Path) -> None:
     assert got["finished"], got
     assert got["final_seq"] == sent["frames_sent"] - 1  # the FINAL is the stream's last frame
     assert got["frames_lost"] > 0, "the slow subscriber should have lost frames"
-    # Exact, tail included: every frame from the first one received to the FINAL is either
-    # received or counted lost; the FINAL's copies are neither.
+    assert got["topic_frames"]["gpu/mp/0"] == FLOOD_FRAMES
+    if topics == "":
+        # Exact, tail included: every frame from the first one received to the FINAL is
+        # either received or counted lost; the FINAL's copies are neither.
+        span = got["final_seq"] - got["first_seq"] + 1
+        assert got["frames_received"] + got["frames_lost"] == span
+    else:
+        # Per topic: every GPU frame from the first received to the last published is
+        # received or counted lost (no heartbeat was published besides the FINAL, and the
+        # StreamInfo and the FINAL were received: the stream topic lost nothing).
+        gpu_span = FLOOD_FRAMES - got["first_gpu_topic_seq"]
+        assert got["gpu_frames"] + got["frames_lost"] == gpu_span
+    assert got["out_of_order"] == 0
+
+
+def test_loss_at_the_tail_is_counted_through_a_proxy(tmp_path: Path) -> None:
+    # The same, with `zeus-async proxy` between them: the FINAL and its copies pass through the
+    # proxy like any frame, and the subscriber's count stays exact.
+    upstream, downstream = f"ipc://{tmp_path}/up.sock", f"ipc://{tmp_path}/down.sock"
+    if len(downstream) > 100:
+        upstream = f"ipc:///tmp/zb-up-{os.getpid()}.sock"
+        downstream = f"ipc:///tmp/zb-down-{os.getpid()}.sock"
+    pub = Proc("pub-end", upstream, str(FLOOD_FRAMES), str(BATCH))
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "zeus_async", "proxy", "--in", upstream, "--out", downstream],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    sub = None
+    try:
+        assert pub.readline() == "bound"
+        sub = Proc("sub-end", downstream)
+        assert sub.readline() == "ready"  # the handshake went through the proxy
+        pub.send("go")
+        sent = pub.json()
+        got = sub.json()
+    finally:
+        pub.close()
+        if sub is not None:
+            sub.close()
+        proxy.terminate()
+        proxy.communicate(timeout=TIMEOUT)
+    assert got["finished"], got
+    assert got["final_seq"] == sent["frames_sent"] - 1
+    assert got["frames_lost"] > 0, "the slow subscriber should have lost frames"
     span = got["final_seq"] - got["first_seq"] + 1
     assert got["frames_received"] + got["frames_lost"] == span
     assert got["out_of_order"] == 0

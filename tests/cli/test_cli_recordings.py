@@ -108,6 +108,14 @@ def test_replay_publishes_to_a_subscriber_process(recordings: Path) -> None:
         sub = run_cli("subscribe", endpoint, "--json", "--topic", "gpu/", "--count", str(len(want)))
         assert sub.returncode == 0, sub.stderr
         got = [json.loads(line) for line in sub.stdout.splitlines()]
+        # Each line names the frame that carried it: one stream, numbers rising per topic.
+        frames = [e.pop("frame") for e in got]
+        assert len({f["stream_id"] for f in frames}) == 1
+        for f, e in zip(frames, got, strict=True):
+            assert f["topic"] == f"gpu/{e['host']}/{e['gpu']}"
+        for topic in {f["topic"] for f in frames}:
+            seqs = [(f["seq"], f["topic_seq"]) for f in frames if f["topic"] == topic]
+            assert seqs == sorted(seqs)
         want = json.loads(json.dumps(want))
         # Same events and timestamps; per GPU (one bus topic each) in the same order.
         for gpu in (0, 1):
@@ -197,6 +205,32 @@ def test_record_and_subscribe_end_with_the_stream(tmp_path: Path) -> None:
     assert RecordingReader(tmp_path / "r.zarc").header.meta["hosts"]
 
 
+def test_a_stream_killed_without_its_end_has_an_unknown_tail(tmp_path: Path) -> None:
+    # SIGKILL: no FINAL. Neither subscribe nor record may call the stream complete ("0 lost").
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    mon = popen("monitor", "--backend", "sim", "--gpus", "0", "--publish", endpoint)
+    try:
+        assert mon.stdout is not None
+        assert "Ctrl-C to stop" in mon.stdout.readline()
+        sub = popen("subscribe", endpoint, "--duration", "8")
+        rec = popen("record", endpoint, "-o", str(tmp_path / "r.zarc"), "--duration", "8")
+        assert sub.stdout is not None and rec.stdout is not None
+        assert sub.stdout.readline().startswith("stream")  # both take part in the stream
+        assert rec.stdout.readline().startswith("zeus-async record:")
+        time.sleep(1.0)
+        mon.kill()
+        sub_out, sub_err = sub.communicate(timeout=30)
+        rec_out, rec_err = rec.communicate(timeout=30)
+    finally:
+        if mon.poll() is None:
+            mon.kill()
+        mon.communicate(timeout=30)
+    assert sub.returncode == 0 and rec.returncode == 0, (sub_err, rec_err)
+    assert sum(line.startswith("gpu ") for line in sub_out.splitlines()) > 10
+    for err in (sub_err, rec_err):
+        assert "went silent with no end of stream: tail unknown" in err, err
+
+
 def test_replay_publishes_its_own_stream(recordings: Path) -> None:
     # The recording holds the recorded stream's StreamInfo and heartbeats; the replay is a
     # stream of its own and describes itself only.
@@ -209,6 +243,7 @@ def test_replay_publishes_its_own_stream(recordings: Path) -> None:
         events = [json.loads(line) for line in sub.stdout.splitlines()]
         own = {e["stream_id"] for e in events if e["kind"] in ("stream", "heartbeat")}
         assert len(own) == 1 and not own & recorded, (own, recorded)
+        assert {e["frame"]["stream_id"] for e in events} == own
         assert "tail unknown" not in sub.stderr
         _, err = replay.communicate(timeout=60)
         assert replay.returncode == 0, err

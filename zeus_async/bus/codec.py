@@ -235,6 +235,10 @@ class FrameEncoder:
         """The topic sequence number the next frame of ``topic`` will carry."""
         return self._topic_seqs.get(topic, 0)
 
+    def topic_counts(self) -> dict[str, int]:
+        """Frames sequenced so far on each topic (the next topic seq of each)."""
+        return dict(self._topic_seqs)
+
     def _advance(self, topic: str, count: int) -> tuple[int, int]:
         seq = self.seq
         tseq = self._topic_seqs.get(topic, 0)

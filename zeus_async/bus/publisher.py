@@ -572,13 +572,14 @@ class Publisher:
                 del last_sent[t]
         last_sent[topic] = time.monotonic()
 
-    def _heartbeat(self) -> Heartbeat:
+    def _heartbeat(self, *, final: bool = False) -> Heartbeat:
         return Heartbeat(
             host=self._host,
             t_ns=self._clock.wall_ns(),
             stream_id=self._stream_id,
             events_published=self._encoder.events,
             frames_published=self._encoder.seq,
+            topic_frames=self._encoder.topic_counts() if final else None,
         )
 
     def _send_heartbeat(self, sock: zmq.Socket[Any], flags: int = 0) -> None:
@@ -597,7 +598,9 @@ class Publisher:
         subscribers take the first and ignore the copies. One further behind sees no FINAL and
         reports its tail as unknown (``docs/wire-format.md``).
         """
-        parts = self._encoder.encode(self._stream_topic, [self._heartbeat()], flags=FLAG_FINAL)
+        parts = self._encoder.encode(
+            self._stream_topic, [self._heartbeat(final=True)], flags=FLAG_FINAL
+        )
         self.stats.heartbeats_sent += 1
         listening = self.stats.subscriptions > self.stats.unsubscriptions
         copies = round(FINAL_WAIT_S / FINAL_GAP_S) if listening else 0

@@ -525,6 +525,8 @@ class Subscriber:
                 elif isinstance(ev, Heartbeat):
                     st.last_heartbeat = ev
                     st.host = ev.host
+                    if header.flags & 1 and ev.topic_frames is not None:
+                        self._count_topic_tails(st, ev.topic_frames)
         if topic.startswith(self._topics):
             return Frame(topic, header, events)
         return None
@@ -555,6 +557,24 @@ class Subscriber:
         self._gaps_unlogged += lost
         self._log_gaps(st=st, topic=topic)
         return True
+
+    def _count_topic_tails(self, st: StreamStats, published: dict[str, int]) -> None:
+        """At a stream's end, a topic-filtered subscriber counts the frames of each topic it
+        follows that were published after the last one it received (the FINAL heartbeat says
+        how many each topic had); a subscriber of every topic has them from the FINAL's seq."""
+        if self._all_topics:
+            return
+        lost = 0
+        for topic, expected in st.next_topic_seq.items():
+            count = published.get(topic)
+            if count is not None and count > expected and count - expected <= MAX_SEQ_JUMP:
+                lost += count - expected
+                st.next_topic_seq[topic] = count
+        if lost:
+            st.frames_lost += lost
+            self.stats.frames_lost += lost
+            self._gaps_unlogged += lost
+            self._log_gaps(st=st, topic="(tail)")
 
     def _log_gaps(
         self, *, force: bool = False, st: StreamStats | None = None, topic: str = ""
