@@ -1,7 +1,7 @@
 """Subscriber-reported loss against true loss, tail included, for a subscriber slower than the
 stream.
 
-    python bench/bench_stream_loss.py [--runs 3] [--cases 400x50,3000x4]
+    python bench/bench_stream_loss.py [--runs 3] [--cases 400x50,3000x4] [--topics ",gpu/;stream/"]
 
 Per run: a publisher process (send high-water mark 2) floods frames as fast as it can and
 closes; a subscriber process (receive high-water mark 2, 2 ms per frame) reads until
@@ -9,7 +9,10 @@ the stream's FINAL frame, or until it has been silent for 3 s (then its tail is 
 ``zeus-async subscribe`` says). True loss = frames the publisher handed to ZeroMQ from the
 subscriber's first frame on, minus the frames it received. "Lost before the last data frame"
 is what a subscriber that never learns the stream's end could count (the wave-1 report); the
-rest is the tail. Prints a Markdown table.
+rest is the tail. Each case runs a subscriber of every topic (it follows the stream seq) and a
+topic-filtered one (``gpu/`` and ``stream/``: it follows each topic's seq, and counts the tail of
+each topic from the per-topic counts in the FINAL heartbeat); for the latter the true loss is
+taken per topic. Prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,12 +50,13 @@ anyio.run(main, sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
 SUB = """
 import json, sys, anyio
 from zeus_async.bus import Subscriber
-async def main(endpoint):
-    async with Subscriber(endpoint, topics=[""], rcvhwm=2) as sub:
+async def main(endpoint, topics):
+    async with Subscriber(endpoint, topics=topics.split(","), rcvhwm=2) as sub:
         await sub.wait_ready(timeout=30)
         print("ready", flush=True)
         first = final = last_data = -1
         lost_before_last_data = 0
+        per_topic = {}  # topic -> [first topic seq, frames received]
         it = sub.frames()
         while True:
             frame = None
@@ -61,6 +66,8 @@ async def main(endpoint):
                 break
             if first < 0:
                 first = frame.header.seq
+            seen = per_topic.setdefault(frame.topic, [frame.header.topic_seq, 0])
+            seen[1] += 1
             if frame.header.flags & 1:
                 final = frame.header.seq
                 break
@@ -71,12 +78,13 @@ async def main(endpoint):
         (st,) = sub.stats.streams.values()
         print(json.dumps({"first": first, "final": final, "received": st.frames_received,
                           "lost": st.frames_lost, "finished": st.finished,
-                          "lost_before_last_data": lost_before_last_data}), flush=True)
-anyio.run(main, sys.argv[1])
+                          "lost_before_last_data": lost_before_last_data,
+                          "per_topic": per_topic}), flush=True)
+anyio.run(main, sys.argv[1], sys.argv[2])
 """
 
 
-def run_once(frames: int, batch: int) -> dict[str, int | bool]:
+def run_once(frames: int, batch: int, topics: str) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     with tempfile.TemporaryDirectory() as tmp:
         endpoint = f"ipc://{tmp}/loss.sock"
@@ -88,7 +96,10 @@ def run_once(frames: int, batch: int) -> dict[str, int | bool]:
             env=env,
         )
         sub = subprocess.Popen(
-            [sys.executable, "-c", SUB, endpoint], stdout=subprocess.PIPE, text=True, env=env
+            [sys.executable, "-c", SUB, endpoint, topics],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         try:
             assert pub.stdout is not None and pub.stdin is not None and sub.stdout is not None
@@ -103,7 +114,16 @@ def run_once(frames: int, batch: int) -> dict[str, int | bool]:
                 if p.poll() is None:
                     p.kill()
                 p.communicate()
-    true_lost = sent["frames_sent"] - got["first"] - got["received"]
+    if topics == "":
+        true_lost = sent["frames_sent"] - got["first"] - got["received"]
+    else:
+        # Per topic, from the first frame received on it to the last the publisher sent: the
+        # flood's frames on gpu/b/0, the rest (StreamInfo, FINAL) on stream/b.
+        published = {"gpu/b/0": frames, "stream/b": sent["frames_sent"] - frames}
+        true_lost = sum(
+            published[topic] - first_tseq - received
+            for topic, (first_tseq, received) in got["per_topic"].items()
+        )
     return {**got, "frames_sent": sent["frames_sent"], "true_lost": true_lost}
 
 
@@ -115,23 +135,31 @@ def main() -> None:
     parser.add_argument(
         "--cases", default="400x50,3000x4", help="FRAMESxEVENTS_PER_FRAME, comma-separated"
     )
+    parser.add_argument(
+        "--topics",
+        default=",gpu/;stream/",
+        help="subscriptions to try, ';' between prefixes of one subscriber, ',' between "
+        "subscribers (default: every topic, then gpu/ and stream/: topic-filtered)",
+    )
     args = parser.parse_args()
     print(
-        "| flood | run | frames published | received | true loss | reported loss "
+        "| flood | topics | run | frames published | received | true loss | reported loss "
         "| reported as | lost before the last data frame (what was counted without an end) |"
     )
-    print("|---|---:|---:|---:|---:|---:|---|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---|---:|")
     for case in args.cases.split(","):
         frames, batch = (int(x) for x in case.split("x"))
-        for run in range(1, args.runs + 1):
-            r = run_once(frames, batch)
-            said = "exact (end seen)" if r["finished"] else "so far; tail unknown"
-            print(
-                f"| {frames} frames x {batch} events | {run} | {r['frames_sent']} "
-                f"| {r['received']} | {r['true_lost']} | {r['lost']} | {said} "
-                f"| {r['lost_before_last_data']} |",
-                flush=True,
-            )
+        for topics in (t.replace(";", ",") for t in args.topics.split(",")):
+            for run in range(1, args.runs + 1):
+                r = run_once(frames, batch, topics)
+                said = "exact (end seen)" if r["finished"] else "so far; tail unknown"
+                print(
+                    f"| {frames} frames x {batch} events | {topics or 'all'} | {run} "
+                    f"| {r['frames_sent']} "
+                    f"| {r['received']} | {r['true_lost']} | {r['lost']} | {said} "
+                    f"| {r['lost_before_last_data']} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -139,14 +139,16 @@ async def _inspect(args: argparse.Namespace, out: TextIO) -> int:
     w(f"host        {h.host}  pid {h.pid}  started {_when(h.start_wall_ns)}\n")
     if h.argv:
         w(f"command     {' '.join(h.argv)}\n")
-    for d in h.devices:
+    if len(rec.hosts) > 1:
+        w(f"hosts       {', '.join(rec.hosts)} ({len(rec.streams)} stream(s))\n")
+    for name, d in rec.device_info().items():
         counter = "energy counter" if d.has_energy_counter else "no energy counter"
         limits = (
             f", limit {d.power_limit_min_w:g}-{d.power_limit_max_w:g} W"
             if d.power_limit_min_w is not None and d.power_limit_max_w is not None
             else ""
         )
-        w(f"device      {d.key}: {d.name} ({d.arch}, {counter}{limits})\n")
+        w(f"device      {name}: {d.name} ({d.arch}, {counter}{limits})\n")
     report = rec.report
     state = "complete" if report.clean else "DAMAGED"
     w(f"frames      {report.frames_ok}, events {report.events_ok} ({state})\n")

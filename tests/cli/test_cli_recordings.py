@@ -220,7 +220,7 @@ def test_a_stream_killed_without_its_end_has_an_unknown_tail(tmp_path: Path) -> 
         time.sleep(1.0)
         mon.kill()
         sub_out, sub_err = sub.communicate(timeout=30)
-        rec_out, rec_err = rec.communicate(timeout=30)
+        _, rec_err = rec.communicate(timeout=30)
     finally:
         if mon.poll() is None:
             mon.kill()
@@ -247,3 +247,28 @@ def test_replay_publishes_its_own_stream(recordings: Path) -> None:
         assert "tail unknown" not in sub.stderr
         _, err = replay.communicate(timeout=60)
         assert replay.returncode == 0, err
+
+
+def test_inspect_lists_the_devices_of_every_stream(tmp_path: Path) -> None:
+    from zeus_async.events import DeviceInfo
+    from zeus_async.store import RecordingHeader, write_recording
+
+    path = tmp_path / "joined.zarc"
+    h100 = DeviceInfo(key="gpu:0", name="H100", arch="hopper", has_energy_counter=True)
+    a100 = DeviceInfo(key="gpu:1", name="A100", arch="ampere", has_energy_counter=True)
+    t0 = 1_000_000_000
+    write_recording(
+        path,
+        [
+            StreamInfo("a", t0, "s-a", devices=[h100]),
+            GpuSample("a", t0 + 1, 0, power_w=1.0),
+            StreamInfo("b", t0 + 2, "s-b", devices=[a100]),  # joined after the header
+            GpuSample("b", t0 + 3, 1, power_w=2.0),
+        ],
+        RecordingHeader(host="a", start_wall_ns=t0, devices=[h100]),
+    )
+    proc = run_cli("inspect", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert "hosts       a, b (2 stream(s))" in proc.stdout
+    assert "device      gpu:0@a: H100 (hopper" in proc.stdout
+    assert "device      gpu:1@b: A100 (ampere" in proc.stdout

@@ -290,6 +290,34 @@ def test_hosts_are_told_apart(tmp_path: Path) -> None:
     assert rec.totals().gpu_energy_j == pytest.approx(0.001 + 0.002)  # 1 W and 2 W for 1 ms
 
 
+def test_devices_of_a_stream_that_joined_later_are_listed(tmp_path: Path) -> None:
+    # A recording of two streams (record through a proxy): the header was written when only
+    # host a's stream was there; host b's stream joined later and is described by its
+    # StreamInfo in the file.
+    path = tmp_path / "joined.zarc"
+    h100 = DeviceInfo(key="gpu:0", name="H100", arch="hopper", has_energy_counter=True)
+    a100 = DeviceInfo(key="gpu:1", name="A100", arch="ampere", has_energy_counter=True)
+    header = RecordingHeader(host="a", start_wall_ns=T0, devices=[h100])
+    events: list[Event] = [
+        StreamInfo("a", T0, "s-a", devices=[h100]),
+        GpuSample("a", T0 + MS, 0, power_w=1.0),
+        StreamInfo("b", T0 + 2 * MS, "s-b", devices=[h100, a100]),
+        StreamInfo("b", T0 + 3 * MS, "s-b", devices=[h100, a100]),  # re-sent: one stream
+        GpuSample("b", T0 + 4 * MS, 1, power_w=2.0),
+    ]
+    write_recording(path, events, header)
+    rec = Recording(path)
+    assert rec.hosts == ["a", "b"]
+    assert [info.stream_id for info in rec.streams] == ["s-a", "s-b"]
+    info = rec.device_info()
+    assert list(info) == ["gpu:0@a", "gpu:0@b", "gpu:1@b"]
+    assert info["gpu:1@b"].name == "A100"
+    assert rec.devices() == ["gpu:0@a", "gpu:1@b"]  # the ones with samples
+    # Without StreamInfo in the file, the header describes the devices.
+    write_recording(path, events[1:2], header, overwrite=True)
+    assert list(Recording(path).device_info()) == ["gpu:0"]
+
+
 def test_torn_file_still_analyzes(rec_path: Path) -> None:
     data = rec_path.read_bytes()
     rec_path.write_bytes(data[:-7])

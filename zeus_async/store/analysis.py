@@ -71,11 +71,13 @@ from ..aggregate.history import DeviceHistory, EnergyEstimate, add_sample
 from ..errors import ConfigError
 from ..events import (
     EVENT_TYPES,
+    DeviceInfo,
     Event,
     GpuSample,
     Measurement,
     ProcessSample,
     RaplSample,
+    StreamInfo,
     event_kind,
     event_to_dict,
     event_to_json,
@@ -318,6 +320,9 @@ class _Loaded:
     histories: dict[str, DeviceHistory] = field(default_factory=dict)
     spans: dict[str, tuple[int, int]] = field(default_factory=dict)
     windows: list[Measurement] = field(default_factory=list)
+    streams: dict[str, StreamInfo] = field(default_factory=dict)
+    hosts: list[str] = field(default_factory=list)
+    several_hosts: bool = False
     start_ns: int | None = None
     end_ns: int | None = None
 
@@ -350,6 +355,10 @@ def _load(reader: RecordingReader, progress: Progress | None) -> _Loaded:
                     group.append(event)
             elif isinstance(event, Measurement):
                 out.windows.append(event)
+            elif isinstance(event, StreamInfo):
+                # Every stream's own description (a stream that joined a recording after its
+                # header was written is only here); the first one of each stream is kept.
+                out.streams.setdefault(event.stream_id, event)
         for ident, group in groups.items():
             spec = _SPECS[type(group[0])]
             ts = list(map(_T_NS, group))
@@ -384,7 +393,10 @@ def _load(reader: RecordingReader, progress: Progress | None) -> _Loaded:
                     add_sample(history, event)
         ticker.tick()
     ticker.finish()
-    several_hosts = len({host for host, _ in columns}) > 1
+    out.hosts = list(
+        dict.fromkeys([info.host for info in out.streams.values()] + [h for h, _ in columns])
+    )
+    several_hosts = out.several_hosts = len(out.hosts) > 1
 
     def label(ident: tuple[str, str]) -> str:
         return f"{ident[1]}@{ident[0]}" if several_hosts else ident[1]
@@ -443,6 +455,9 @@ class Recording:
         self._histories = loaded.histories
         self._spans = loaded.spans
         self._windows = loaded.windows
+        self._streams = loaded.streams
+        self._hosts = loaded.hosts
+        self._several_hosts = loaded.several_hosts
         self.start_ns: int = (
             loaded.start_ns if loaded.start_ns is not None else self.header.start_wall_ns
         )
@@ -455,6 +470,36 @@ class Recording:
             self.duration_s,
             "" if self.report.clean else " (damaged file, recovered)",
         )
+
+    @property
+    def hosts(self) -> list[str]:
+        """Every host the recording holds streams or samples of, in order of appearance (the
+        header's ``host`` is the recorder's or the first stream's)."""
+        return list(self._hosts) or ([self.header.host] if self.header.host else [])
+
+    @property
+    def streams(self) -> list[StreamInfo]:
+        """The description of every stream recorded (its first StreamInfo), in file order:
+        one per publisher; a stream that joined after the header was written is only here."""
+        return list(self._streams.values())
+
+    def device_info(self) -> dict[str, DeviceInfo]:
+        """What the recording says about each device, by the names :meth:`devices` uses
+        (``gpu:0``, or ``gpu:0@node1`` when several hosts).
+
+        From each recorded stream's StreamInfo, so devices of streams that joined after the
+        header was written are included; from the header when no stream describes itself in
+        the file (a recording written by :func:`~zeus_async.store.write_recording`).
+        """
+        pairs: list[tuple[str, DeviceInfo]] = [
+            (info.host, d) for info in self._streams.values() for d in info.devices
+        ]
+        if not pairs:
+            pairs = [(self.header.host, d) for d in self.header.devices]
+        return {
+            (f"{d.key}@{host}" if self._several_hosts else d.key): d
+            for host, d in sorted(pairs, key=lambda p: _device_order(f"{p[1].key}@{p[0]}"))
+        }
 
     @classmethod
     def load(cls, path: _PathLike, progress: Progress | None = None) -> Recording:
