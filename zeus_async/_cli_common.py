@@ -153,9 +153,22 @@ def fmt_cell(value: float | int | None, scale: float = 1.0, digits: int = 1) -> 
     return f"{value / scale:.{digits}f}"
 
 
-def streams_ended(stats: Any) -> bool:
-    """Every stream seen so far has sent its end (FINAL); at least one was seen."""
-    return bool(stats.streams) and all(st.finished for st in stats.streams.values())
+def streams_ended(stats: Any, now: float | None = None) -> bool:
+    """Every stream seen so far has sent its end (FINAL) or gone silent (no frame for
+    :data:`~zeus_async.bus.subscriber.SILENT_AFTER_S`: killed, or cut off); at least one was
+    seen. What ``--until-end`` waits for."""
+    now = time.monotonic() if now is None else now
+    return bool(stats.streams) and all(
+        st.finished or st.silent(now) for st in stats.streams.values()
+    )
+
+
+async def stop_when_streams_end(stats: Any, scope: anyio.CancelScope) -> None:
+    """Cancel ``scope`` once :func:`streams_ended` (checked as frames arrive, and here for a
+    stream that goes silent: no frame wakes a receiving loop then)."""
+    while not streams_ended(stats):
+        await anyio.sleep(0.25)
+    scope.cancel()
 
 
 def report_streams(stats: Any) -> None:

@@ -23,6 +23,7 @@ from ._cli_common import (
     nonnegative_int,
     positive_int,
     report_streams,
+    stop_when_streams_end,
     streams_ended,
     until_stopped,
     wait_for_publisher,
@@ -94,7 +95,9 @@ def add_parsers(sub: Any, positive_float: Callable[[str], float]) -> None:
     )
     rec.add_argument("--force", action="store_true", help="overwrite an existing recording")
     rec.add_argument(
-        "--until-end", action="store_true", help="stop once every stream seen has ended"
+        "--until-end",
+        action="store_true",
+        help="stop once every stream seen has ended (or gone silent for 3 s: tail unknown)",
     )
 
     plo = sub.add_parser("plot", help="draw per-GPU power over time, windows shaded (PNG)")
@@ -136,7 +139,8 @@ async def _inspect(args: argparse.Namespace, out: TextIO) -> int:
         w(f"parts       {len(parts)}, read in order: {', '.join(p.name for p in parts)}\n")
     w(f"format      v{reader.format_version}, schema v{reader.schema_version}, ")
     w(f"compression {h.compression}\n")
-    w(f"host        {h.host}  pid {h.pid}  started {_when(h.start_wall_ns)}\n")
+    first = " (the first stream's)" if len(rec.hosts) > 1 else ""
+    w(f"host        {h.host}  pid {h.pid}  started {_when(h.start_wall_ns)}{first}\n")
     if h.argv:
         w(f"command     {' '.join(h.argv)}\n")
     if len(rec.hosts) > 1:
@@ -320,12 +324,19 @@ async def _record(args: argparse.Namespace, out: TextIO) -> int:
         out.flush()
         async with anyio.create_task_group() as tg:
             tg.start_soon(recorder.run, batches)
-            async with until_stopped(args.duration):
+            async with until_stopped(args.duration) as stop:
+                if args.until_end:
+                    stop.start_soon(stop_when_streams_end, sub.stats, stop.cancel_scope)
                 for info in infos:  # the handshake consumed them; keep them in the file
                     await batches.send(info)
                     count += 1
+                described = {info.stream_id for info in infos}
                 async for event in sub:
-                    if isinstance(event, StreamInfo):  # re-sent on each new subscription
+                    if isinstance(event, StreamInfo):
+                        # Re-sent on each new subscription: one per stream in the file.
+                        if event.stream_id in described:
+                            continue
+                        described.add(event.stream_id)
                         event = _restamped(event, start_ns)
                     await batches.send(event)
                     count += 1

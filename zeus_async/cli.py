@@ -37,6 +37,7 @@ from ._cli_common import (
     positive_int,
     report_streams,
     run_command,
+    stop_when_streams_end,
     streams_ended,
     until_stopped,
     wait_for_publisher,
@@ -142,7 +143,9 @@ def _build_parser() -> argparse.ArgumentParser:
     sbs.add_argument("--count", type=positive_int, default=None, help="stop after N events")
     sbs.add_argument("--duration", type=_positive_float, default=None, help="stop after S s")
     sbs.add_argument(
-        "--until-end", action="store_true", help="stop once every stream seen has ended"
+        "--until-end",
+        action="store_true",
+        help="stop once every stream seen has ended (or gone silent for 3 s: tail unknown)",
     )
     sbs.add_argument(
         "--wait", type=_positive_float, default=10.0, help="give up if no publisher answers (s)"
@@ -194,9 +197,7 @@ def render_table(totals: LiveTotals) -> list[str]:
         f"{'SM MHz':>8}{'util %':>8}{'mem GiB':>9}{'limit W':>9}  method"
     )
     lines = [header, "-" * len(header)]
-    devices = totals.devices  # a view built on each access
-    for key in sorted(devices, key=_device_sort_key):
-        t = devices[key]
+    for key, t in totals.devices.items():  # a view built on each access, in device order
         last = t.last
         status = (t.fault and f"FAULT:{t.fault}") or t.method
         util = last.get("utilization_frac")
@@ -211,21 +212,11 @@ def render_table(totals: LiveTotals) -> list[str]:
     return lines
 
 
-def _device_sort_key(key: str) -> tuple[str, int, int, str]:
-    """GPUs first, by index, then CPU domains; grouped by host (``gpu:0@node1``) first."""
-    name, _, host = key.partition("@")
-    kind, _, rest = name.partition(":")
-    num, _, dom = rest.partition("/")
-    return (host, 0 if kind == "gpu" else 1, int(num) if num.isdigit() else 0, dom)
-
-
 def render_totals(totals: LiveTotals) -> list[str]:
     """Lines of the closing summary: energy, duration and mean power per device."""
     lines = [f"{'device':<16}{'energy J':>12}{'time s':>9}{'mean W':>9}  method"]
     total_gpu = 0.0
-    devices = totals.devices  # a view built on each access
-    for key in sorted(devices, key=_device_sort_key):
-        t = devices[key]
+    for key, t in totals.devices.items():  # a view built on each access, in device order
         energy = t.energy_j
         mean = energy / t.duration_s if energy is not None and t.duration_s > 0 else None
         if energy is not None and key.startswith("gpu:"):
@@ -382,7 +373,9 @@ async def _subscribe(args: argparse.Namespace, out: TextIO) -> int:
     count = 0
     async with Subscriber(args.endpoints, topics=topics) as sub:
         await wait_for_publisher(sub, args.endpoints, args.wait)
-        async with until_stopped(args.duration):
+        async with until_stopped(args.duration) as tg:
+            if args.until_end:
+                tg.start_soon(stop_when_streams_end, sub.stats, tg.cancel_scope)
             async for frame in sub.frames():
                 header = frame.header
                 where = {
@@ -465,6 +458,20 @@ def _agent(args: argparse.Namespace, out: TextIO) -> int:
 # -- entry point --------------------------------------------------------------------------------
 
 
+#: Exit status after the output pipe closed (128 + SIGPIPE, what a shell shows for `head`).
+EXIT_BROKEN_PIPE = 141
+
+
+def _quiet_stdout() -> None:
+    """Point standard output at /dev/null (its pipe is closed)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real file descriptor (a test's StringIO)
+        pass
+
+
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     """Run the CLI; returns the process exit status."""
     parser = _build_parser()
@@ -493,6 +500,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return 130
     except Exception as caught:  # one line, no traceback (a task group's group of one unwrapped)
         exc = sole_exception(caught)
+        if isinstance(exc, BrokenPipeError):
+            # The reader of our output went away (`... | head`): stop quietly, as a process
+            # killed by SIGPIPE would, and keep the interpreter from failing on flush at exit.
+            _quiet_stdout()
+            return EXIT_BROKEN_PIPE
         if isinstance(exc, Interrupted):
             sys.stderr.write(f"zeus-async {args.command}: {exc}\n")
             return 130

@@ -128,3 +128,21 @@ def test_hosts_are_part_of_a_devices_identity() -> None:
     single = LiveTotals()
     single.add(GpuSample("node1", t0, 0, power_w=100.0))
     assert list(single.devices) == ["gpu:0"]  # one host: bare keys
+
+
+def test_devices_are_listed_in_one_order() -> None:
+    # The order of every table (inspect, monitor, replay): GPUs by number, then CPU domains;
+    # one device of several hosts together.
+    totals = LiveTotals()
+    for host in ("b", "a"):
+        for gpu in (10, 2):
+            totals.add(GpuSample(host, 0, gpu, power_w=1.0))
+        totals.add(RaplSample(host, 0, 0, "package", 0.0))
+    assert list(totals.devices) == [
+        "gpu:2@a",
+        "gpu:2@b",
+        "gpu:10@a",
+        "gpu:10@b",
+        "cpu:0/package@a",
+        "cpu:0/package@b",
+    ]

@@ -15,6 +15,7 @@ from cli_helpers import free_port, popen, run_cli
 
 from zeus_async.events import GpuSample, Measurement, StreamInfo, event_to_dict
 from zeus_async.store import RecordingReader, recording_parts
+from zeus_async.store.analysis import Recording
 
 
 def test_inspect_summarizes(recordings: Path) -> None:
@@ -83,6 +84,11 @@ def test_replay_measures_the_windows_again(recordings: Path, tmp_path: Path) -> 
     assert proc.stdout.count("(= recorded)") == 6 and "(differs)" not in proc.stdout
     original = list(RecordingReader(recordings / "sim_windows.zarc"))
     assert [e for e in RecordingReader(again) if e in original] == original
+    # The replay adds its measurements, not a description of itself stamped today: the new
+    # recording spans what the old one did and describes the same stream.
+    old, new = Recording(recordings / "sim_windows.zarc"), Recording(again)
+    assert (new.start_ns, new.end_ns) == (old.start_ns, old.end_ns)
+    assert new.streams == old.streams
 
 
 @contextmanager
@@ -203,17 +209,22 @@ def test_record_and_subscribe_end_with_the_stream(tmp_path: Path) -> None:
     assert "tail unknown" not in rec_err + sub_err and "still running" not in rec_err + sub_err
     assert sum(line.startswith("gpu ") for line in sub_out.splitlines()) > 50
     assert RecordingReader(tmp_path / "r.zarc").header.meta["hosts"]
+    # One description per stream in the file (the publisher re-sends it per subscription).
+    infos = [e for e in RecordingReader(tmp_path / "r.zarc") if isinstance(e, StreamInfo)]
+    assert len(infos) == 1
 
 
 def test_a_stream_killed_without_its_end_has_an_unknown_tail(tmp_path: Path) -> None:
-    # SIGKILL: no FINAL. Neither subscribe nor record may call the stream complete ("0 lost").
+    # SIGKILL: no FINAL. Neither subscribe nor record may call the stream complete ("0 lost"),
+    # nor wait for its end forever.
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     mon = popen("monitor", "--backend", "sim", "--gpus", "0", "--publish", endpoint)
     try:
         assert mon.stdout is not None
         assert "Ctrl-C to stop" in mon.stdout.readline()
-        sub = popen("subscribe", endpoint, "--duration", "8")
-        rec = popen("record", endpoint, "-o", str(tmp_path / "r.zarc"), "--duration", "8")
+        # --until-end: a stream that goes silent without its end ends the wait too.
+        sub = popen("subscribe", endpoint, "--until-end")
+        rec = popen("record", endpoint, "-o", str(tmp_path / "r.zarc"), "--until-end")
         assert sub.stdout is not None and rec.stdout is not None
         assert sub.stdout.readline().startswith("stream")  # both take part in the stream
         assert rec.stdout.readline().startswith("zeus-async record:")
@@ -270,5 +281,17 @@ def test_inspect_lists_the_devices_of_every_stream(tmp_path: Path) -> None:
     proc = run_cli("inspect", str(path))
     assert proc.returncode == 0, proc.stderr
     assert "hosts       a, b (2 stream(s))" in proc.stdout
+    assert "(the first stream's)" in proc.stdout
     assert "device      gpu:0@a: H100 (hopper" in proc.stdout
     assert "device      gpu:1@b: A100 (ampere" in proc.stdout
+
+
+def test_output_into_a_closed_pipe_stops_quietly(recordings: Path) -> None:
+    # `zeus-async export ... | head -c 10`: no error message, the status of a SIGPIPE death.
+    cli = popen("export", str(recordings / "sim_windows.zarc"), "--format", "jsonl", "-o", "-")
+    assert cli.stdout is not None
+    assert cli.stdout.read(10).startswith('{"kind":')
+    cli.stdout.close()  # the reader goes away with most of the output unread
+    _, err = cli.communicate(timeout=30)
+    assert cli.returncode == 141, err
+    assert err == ""

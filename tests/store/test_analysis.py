@@ -334,6 +334,32 @@ def test_torn_file_still_analyzes(rec_path: Path) -> None:
     assert rec.energy("gpu:0", T0 + 145 * MS, T0 + 245 * MS).energy_j == pytest.approx(25.0)
 
 
+@pytest.mark.anyio
+async def test_damage_is_said_by_every_reader_of_the_file(
+    rec_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # export and replay stream a damaged file without failing; each says what it skipped.
+    from zeus_async.store.replay import Replayer
+
+    rec_path.write_bytes(rec_path.read_bytes()[:-7])
+    out = rec_path.with_suffix(".jsonl")
+    with caplog.at_level("WARNING"):
+        export_jsonl(rec_path, out)
+        export_csv(rec_path, out)
+        Recording(rec_path)
+        replayer = Replayer(rec_path)
+
+        async def publish(event: Event) -> None:
+            pass
+
+        await replayer.run(publish)
+    said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(said) == 4, said
+    for verb, line in zip(("exported", "exported", "analyzed", "replayed"), said, strict=True):
+        assert line.startswith(f"{rec_path} is damaged: torn tail (")
+        assert f"; {verb} every complete frame (" in line
+
+
 def test_empty_recording(tmp_path: Path) -> None:
     path = tmp_path / "empty.zarc"
     write_recording(path, [], HEADER)

@@ -11,13 +11,26 @@ samples, to the last bit. :attr:`DeviceTotals.method` says how it was obtained
 from __future__ import annotations
 
 import logging
+import re
+from typing import Any
 
 from ..events import DeviceFault, Event, GpuSample, RaplSample
 from .history import DeviceHistory, EnergyEstimate, add_sample, history_key
 
-__all__ = ["DeviceTotals", "LiveTotals"]
+__all__ = ["DeviceTotals", "LiveTotals", "device_order"]
 
 logger = logging.getLogger(__name__)
+
+_KIND_ORDER = {"gpu": 0, "cpu": 1, "proc": 2}
+
+
+def device_order(name: str) -> tuple[Any, ...]:
+    """Sort key of a device name, the order every table lists devices in: GPUs, then CPU
+    domains, then processes; numbers compared as numbers (``gpu:2`` before ``gpu:10``), and
+    the same device of several hosts together (``gpu:0@a``, ``gpu:0@b``, ``gpu:1@a``)."""
+    parts: list[Any] = re.split(r"(\d+)", name)
+    parts[1::2] = [int(p) for p in parts[1::2]]
+    return (_KIND_ORDER.get(name.split(":", 1)[0], 9), *parts)
 
 
 class DeviceTotals:
@@ -101,10 +114,13 @@ class LiveTotals:
 
     @property
     def devices(self) -> dict[str, DeviceTotals]:
-        """Totals per device name (``gpu:0``, or ``gpu:0@node1`` when several hosts)."""
+        """Totals per device name (``gpu:0``, or ``gpu:0@node1`` when several hosts), in
+        :func:`device_order`."""
         if len(self._hosts) <= 1:
-            return {key: t for (_, key), t in self._by_host.items()}
-        return {f"{key}@{host}": t for (host, key), t in self._by_host.items()}
+            named = {key: t for (_, key), t in self._by_host.items()}
+        else:
+            named = {f"{key}@{host}": t for (host, key), t in self._by_host.items()}
+        return {name: named[name] for name in sorted(named, key=device_order)}
 
     def _get(self, host: str, key: str, *, fine: bool = False) -> DeviceTotals:
         totals = self._by_host.get((host, key))

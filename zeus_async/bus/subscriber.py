@@ -66,6 +66,10 @@ _HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | functools.reduce(operator.or
 #: decode error and the expected number stays where it was.
 MAX_SEQ_JUMP = 2**32
 
+#: A stream with no frame for this long (heartbeats come every second by default) and no FINAL
+#: has gone silent: its tail is unknown.
+SILENT_AFTER_S = 3.0
+
 #: Topic prefix of StreamInfo / Heartbeat frames; always subscribed.
 STREAM_TOPIC_PREFIX = "stream/"
 
@@ -101,7 +105,11 @@ class StreamStats:
     next_topic_seq: dict[str, int] = field(default_factory=dict)
     last_frame_at: float = 0.0
 
-    def describe(self, now: float, silent_after_s: float = 3.0) -> str:
+    def silent(self, now: float, silent_after_s: float = SILENT_AFTER_S) -> bool:
+        """No FINAL, and no frame for ``silent_after_s``: the publisher is gone or cut off."""
+        return not self.finished and now - self.last_frame_at > silent_after_s
+
+    def describe(self, now: float, silent_after_s: float = SILENT_AFTER_S) -> str:
         """One line for people: frames received and lost, and whether the tail is known.
 
         Frames lost after the last one received are known only from the stream's end (the
@@ -113,7 +121,7 @@ class StreamStats:
         head = f"{who}: {self.frames_received} frame(s) received, {self.frames_lost} lost"
         if self.finished:
             return head + " (ended; tail counted)"
-        if now - self.last_frame_at <= silent_after_s:
+        if not self.silent(now, silent_after_s):
             return head + " so far (still running; later frames not counted)"
         return head + " before it went silent with no end of stream: tail unknown"
 

@@ -291,7 +291,10 @@ class Runtime:
                 self.hub.add_sink(self._meter.add)
             if self._publish_arg is not None:
                 await self._start_publisher(self._tg)
-            await self.hub.publish(self.stream_info())
+            if self.devices:
+                # (A runtime without devices, a replay, describes nothing in its events: the
+                # replayed stream's own StreamInfo does. Its publisher still answers with one.)
+                await self.hub.publish(self.stream_info())
             await self._tg.start(self._run_samplers)
             if self.tracker is not None and self.devices:
                 # Ready for windows once every energy counter has moved a few times (~0.3 s): a

@@ -57,7 +57,6 @@ import json
 import logging
 import operator
 import os
-import re
 import sys
 import typing
 from array import array
@@ -68,6 +67,7 @@ from pathlib import Path
 from typing import IO, Any, Final
 
 from ..aggregate.history import DeviceHistory, EnergyEstimate, add_sample
+from ..aggregate.live import device_order
 from ..errors import ConfigError
 from ..events import (
     EVENT_TYPES,
@@ -107,7 +107,6 @@ _PathLike = str | os.PathLike[str]
 
 # Fields that identify what a sample is about; they are part of the device key, not metrics.
 _ID_FIELDS: Final = frozenset({"host", "t_ns", "gpu", "package", "domain", "pid"})
-_KIND_ORDER: Final = {"gpu": 0, "cpu": 1, "proc": 2}
 
 
 def _numeric_fields(cls: type[Any]) -> tuple[str, ...]:
@@ -163,13 +162,6 @@ def _series_key(event: GpuSample | RaplSample | ProcessSample) -> str:
         return f"cpu:{event.package}/{event.domain}"
     base = f"proc:{event.pid}"
     return base if event.gpu is None else f"{base}/gpu:{event.gpu}"
-
-
-def _device_order(key: str) -> tuple[Any, ...]:
-    """Natural order: GPUs, then CPU domains, then processes; numbers compared as numbers."""
-    parts: list[Any] = re.split(r"(\d+)", key)
-    parts[1::2] = [int(p) for p in parts[1::2]]
-    return (_KIND_ORDER.get(key.split(":", 1)[0], 9), *parts)
 
 
 class _Column:
@@ -401,7 +393,7 @@ def _load(reader: RecordingReader, progress: Progress | None) -> _Loaded:
     def label(ident: tuple[str, str]) -> str:
         return f"{ident[1]}@{ident[0]}" if several_hosts else ident[1]
 
-    for ident in sorted(columns, key=lambda i: _device_order(label(i))):
+    for ident in sorted(columns, key=lambda i: device_order(label(i))):
         key = label(ident)
         out.columns[key] = columns[ident]
         out.spans[key] = (spans[ident][0], spans[ident][1])
@@ -462,6 +454,7 @@ class Recording:
             loaded.start_ns if loaded.start_ns is not None else self.header.start_wall_ns
         )
         self.end_ns: int = loaded.end_ns if loaded.end_ns is not None else self.start_ns
+        self.report.warn(self.path, "analyzed")
         logger.info(
             "loaded %s: %d events, %d devices, %.3f s%s",
             self.path,
@@ -498,7 +491,7 @@ class Recording:
             pairs = [(self.header.host, d) for d in self.header.devices]
         return {
             (f"{d.key}@{host}" if self._several_hosts else d.key): d
-            for host, d in sorted(pairs, key=lambda p: _device_order(f"{p[1].key}@{p[0]}"))
+            for host, d in sorted(pairs, key=lambda p: device_order(f"{p[1].key}@{p[0]}"))
         }
 
     @classmethod
@@ -830,6 +823,7 @@ def export_jsonl(
             written += 1
             ticker.tick()
     ticker.finish()
+    reader.report.warn(path_in, "exported")
     logger.info("exported %d events of %s to %s (JSON lines)", written, path_in, path_out)
     return written
 
@@ -946,5 +940,6 @@ def export_csv(
             text.flush()
             text.detach()
     ticker.finish()
+    reader.report.warn(path_in, "exported")
     logger.info("exported %d events of %s to %s (CSV)", written, path_in, path_out)
     return written

@@ -116,6 +116,33 @@ class RecoveryReport:
         """True when nothing was torn or corrupt."""
         return self.torn_tail_offset is None and not self.corrupt_frames and not self.header_damage
 
+    def summary(self) -> str:
+        """What was damaged, in one line (``""`` when :attr:`clean`)."""
+        said = []
+        if self.header_damage:
+            said.append(f"header unreadable ({self.header_damage})")
+        if self.corrupt_frames:
+            said.append(f"{len(self.corrupt_frames)} corrupt range(s) skipped")
+        if self.torn_tail_offset is not None:
+            torn = self.torn_tail_part
+            part = f" of {Path(torn).name}" if torn and len(self.parts) > 1 else ""
+            said.append(
+                f"torn tail{part} ({self.torn_tail_bytes} bytes at offset {self.torn_tail_offset})"
+            )
+        return "; ".join(said)
+
+    def warn(self, path: object, done: str) -> None:
+        """Log a warning when the pass found damage: ``path is damaged: ...; done``."""
+        if not self.clean:
+            logger.warning(
+                "%s is damaged: %s; %s every complete frame (%d frame(s), %d event(s))",
+                path,
+                self.summary(),
+                done,
+                self.frames_ok,
+                self.events_ok,
+            )
+
 
 def event_device(event: Event) -> str | None:
     """The device key an event is about (``"gpu:0"``, ``"cpu:1"``), or ``None``.

@@ -136,6 +136,8 @@ class Replayer:
                     await anyio.lowlevel.checkpoint()
         if ticker is not None:
             ticker.finish()
+        if self.reader is not None:
+            self.reader.report.warn(self.reader.path, "replayed")
         logger.info("replayed %d events", n)
         return n
 
