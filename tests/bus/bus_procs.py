@@ -13,12 +13,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
 import anyio
 
-from zeus_async.bus import Publisher, Subscriber
+from zeus_async.bus import Publisher, Subscriber, run_proxy
 from zeus_async.events import GpuSample, Heartbeat
 
 
@@ -168,12 +169,22 @@ async def subscriber_to_the_end(endpoint: str, topics: list[str]) -> None:
         )
 
 
+async def proxy(upstream: str, downstream: str, hwm: int) -> None:
+    """A proxy whose queues hold ``hwm`` frames (a slow subscriber behind it loses frames at
+    the proxy, as it would at a publisher); runs until killed."""
+    async with anyio.create_task_group() as tg:
+        await tg.start(functools.partial(run_proxy, [upstream], downstream, hwm=hwm))
+        print("bound", flush=True)
+
+
 def main() -> None:
     role, endpoint, *rest = sys.argv[1:]
     if role == "pub":
         anyio.run(publisher, endpoint, int(rest[0]), int(rest[1]))
     elif role == "pub-end":
         anyio.run(publisher_that_ends, endpoint, int(rest[0]), int(rest[1]))
+    elif role == "proxy":
+        anyio.run(proxy, endpoint, rest[0], int(rest[1]))
     elif role == "sub-end":
         anyio.run(subscriber_to_the_end, endpoint, rest[0].split(",") if rest else [""])
     else:

@@ -151,22 +151,18 @@ def test_loss_at_the_tail_is_counted(topics: str, tmp_path: Path) -> None:
 
 
 def test_loss_at_the_tail_is_counted_through_a_proxy(tmp_path: Path) -> None:
-    # The same, with `zeus-async proxy` between them: the FINAL and its copies pass through the
-    # proxy like any frame, and the subscriber's count stays exact.
+    # The same, with a proxy between them: the FINAL and its copies pass through the proxy
+    # like any frame, and the subscriber's count stays exact.
     upstream, downstream = f"ipc://{tmp_path}/up.sock", f"ipc://{tmp_path}/down.sock"
     if len(downstream) > 100:
         upstream = f"ipc:///tmp/zb-up-{os.getpid()}.sock"
         downstream = f"ipc:///tmp/zb-down-{os.getpid()}.sock"
     pub = Proc("pub-end", upstream, str(FLOOD_FRAMES), str(BATCH))
-    proxy = subprocess.Popen(
-        [sys.executable, "-m", "zeus_async", "proxy", "--in", upstream, "--out", downstream],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proxy = Proc("proxy", upstream, downstream, "2")  # the proxy's queues hold 2 frames too
     sub = None
     try:
         assert pub.readline() == "bound"
+        assert proxy.readline() == "bound"
         sub = Proc("sub-end", downstream)
         assert sub.readline() == "ready"  # the handshake went through the proxy
         pub.send("go")
@@ -176,8 +172,7 @@ def test_loss_at_the_tail_is_counted_through_a_proxy(tmp_path: Path) -> None:
         pub.close()
         if sub is not None:
             sub.close()
-        proxy.terminate()
-        proxy.communicate(timeout=TIMEOUT)
+        proxy.close()
     assert got["finished"], got
     assert got["final_seq"] == sent["frames_sent"] - 1
     assert got["frames_lost"] > 0, "the slow subscriber should have lost frames"
