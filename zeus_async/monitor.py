@@ -43,14 +43,16 @@ from typing import Any, Literal, NamedTuple, cast
 
 import aiofiles
 import anyio
+import msgspec
 from anyio.abc import ObjectReceiveStream
 
 from ._exit import ClosedOnExit, call_at_exit
 from ._threads import DaemonExecutor
 from .aggregate.windows import WindowResult, WindowTracker, next_window_id, pop_open_window
 from .errors import ConfigError
-from .events import DeviceInfo, Event, Measurement, event_to_json
+from .events import DeviceInfo, Event, Measurement, event_to_dict, event_to_json
 from .model_complexity import ModelComplexity, model_complexity
+from .ranks import RankInfo, rank_info, rank_path
 from .runtime import EmbeddedRuntime, ProcessTracking
 from .runtime.runtime import output_stall_s
 from .runtime.sampler_process import Edge, SamplerProcess
@@ -70,9 +72,11 @@ class ProfilingResult(NamedTuple):
     energy: list[float]
 
 
-def _csv_line(m: Measurement, *, header: bool) -> str:
+def _csv_line(m: Measurement, *, header: bool, rank: str = "") -> str:
     row = {
         "name": m.name,
+        "host": m.host,
+        "rank": rank,
         "start_ns": m.start_ns,
         "end_ns": m.end_ns,
         "time_s": m.time_s,
@@ -90,10 +94,15 @@ def _csv_line(m: Measurement, *, header: bool) -> str:
 
 
 def window_log_consumer(
-    path: str | Path,
+    path: str | Path, *, rank: int | None = None
 ) -> Callable[[ObjectReceiveStream[Event]], Awaitable[None]]:
-    """A runtime consumer appending every finished window to ``path`` (CSV or JSON lines)."""
+    """A runtime consumer appending every finished window to ``path`` (CSV or JSON lines).
+
+    Each line names the window's host and, in a job of several ranks, the ``rank`` that
+    measured it (CSV columns ``host`` and ``rank``; a ``rank`` key in JSON lines).
+    """
     path = Path(path)
+    rank_text = "" if rank is None else str(rank)
 
     async def consume(stream: ObjectReceiveStream[Event]) -> None:
         header_needed = path.suffix == ".csv" and (not path.exists() or path.stat().st_size == 0)
@@ -109,10 +118,14 @@ def window_log_consumer(
                     continue
                 try:
                     if path.suffix == ".csv":
-                        text = _csv_line(event, header=header_needed)
+                        text = _csv_line(event, header=header_needed, rank=rank_text)
                         header_needed = False
-                    else:
+                    elif rank is None:
                         text = event_to_json(event).decode() + "\n"
+                    else:
+                        data = event_to_dict(event)
+                        data["rank"] = rank
+                        text = msgspec.json.encode(data).decode() + "\n"
                     with anyio.fail_after(stall_s):
                         await f.write(text)
                         await f.flush()
@@ -154,18 +167,15 @@ def _agent_endpoint(agent: str | bool | None, *, private_only: bool) -> str | No
     return ensure_node_agent()
 
 
-def _rank_gpus() -> list[int] | None:
-    """A torchrun rank's GPU by default: ``LOCAL_RANK``, or the only visible GPU."""
-    local = os.environ.get("LOCAL_RANK")
-    if local is None:
+def _rank_gpus(info: RankInfo) -> list[int] | None:
+    """A rank's GPU by default: the only visible one, else its local rank's; ``None`` (every
+    GPU) outside a job of several ranks."""
+    if not info.distributed and info.launcher != "LOCAL_RANK":
         return None
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and len([v for v in visible.split(",") if v.strip()]) == 1:
         return [0]
-    try:
-        return [int(local)]
-    except ValueError:
-        return None
+    return [info.local_rank]
 
 
 class WindowContext:
@@ -196,20 +206,26 @@ class Monitor(ClosedOnExit):
     """Measure time and energy of named windows in a synchronous program.
 
     Args:
-        gpu_indices: GPUs to measure (indices after ``CUDA_VISIBLE_DEVICES``); ``None`` = all.
+        gpu_indices: GPUs to measure (indices after ``CUDA_VISIBLE_DEVICES``); ``None`` = all,
+            or, on a rank of a distributed job (:mod:`zeus_async.ranks`), the rank's own: the
+            only visible GPU, else its local rank's.
         cpu_indices: RAPL packages; ``None`` = all that are readable, ``[]`` = none.
         backend: ``auto`` (NVML if a driver is present, else the simulator), ``nvml``, ``sim``.
         sample_period: Sampling period in seconds.
         publish: Also publish every sample and measurement on this ZeroMQ endpoint.
         sync_execution_with: ``"torch"`` to ``torch.cuda.synchronize`` at edges when asked
             (no-op without CUDA), or ``None``.
-        log_file: Append every finished window to this file: CSV (``.csv``) or JSON lines.
+        log_file: Append every finished window to this file: CSV (``.csv``) or JSON lines,
+            with the window's host and (several ranks) rank. Like ``record``, per rank.
         finalize_timeout_s: Longest wait for post-edge data (bound on energy resolution).
         sampler: ``"process"`` (default: sample in a child process, no GIL sharing) or
             ``"thread"`` (sample on a thread of this process).
         record: Write every sample, window edge and measurement to this recording file
             (:mod:`zeus_async.store`; read it with ``RecordingReader``). An existing recording
-            is refused (:class:`FileExistsError`) unless ``overwrite=True``.
+            is refused (:class:`FileExistsError`) unless ``overwrite=True``. May hold
+            ``{rank}``, ``{local_rank}``, ``{world_size}``, ``{node}``, ``{host}``; in a job
+            of several ranks a path without them gets the rank before its suffix
+            (``run.zarc`` → ``run.rank1.zarc``), so ranks never share a file.
         overwrite: Let ``record`` replace an existing recording (its old rotated parts
             are removed too).
         processes: Per-process metrics (:class:`~zeus_async.runtime.ProcessTracking`;
@@ -271,7 +287,16 @@ class Monitor(ClosedOnExit):
         if sampler not in ("process", "thread"):
             raise ConfigError(f"sampler must be 'process' or 'thread', not {sampler!r}")
         self._sync = sync_execution_with
-        run_meta = dict(meta or {})
+        #: This process's rank in its job (from the launcher's environment, ``zeus_async.ranks``).
+        self.rank: RankInfo = rank_info()
+        if record is not None:
+            record = rank_path(record, self.rank)
+        if log_file is not None:
+            log_file = rank_path(log_file, self.rank)
+        requested = None if gpu_indices is None else [int(i) for i in gpu_indices]
+        if gpu_indices is None:
+            gpu_indices = _rank_gpus(self.rank)
+        run_meta = {**self.rank.as_meta(), **(meta or {})}
         self.model_complexity: ModelComplexity | None = None
         if model is not None:
             if input_size is None:
@@ -320,8 +345,6 @@ class Monitor(ClosedOnExit):
                 or runtime_options["fields"] != {"power_w": None, "energy_j": None}
             )
             attach = _agent_endpoint(agent, private_only=bool(private_only))
-            if attach is not None and gpu_indices is None:
-                gpu_indices = _rank_gpus()
             self._process = SamplerProcess(
                 attach=attach,
                 backend=backend,
@@ -346,7 +369,8 @@ class Monitor(ClosedOnExit):
         else:
             consumers = list(runtime_options.pop("consumers", ()))
             if log_file is not None:
-                consumers.append(window_log_consumer(log_file))
+                rank = self.rank.rank if self.rank.distributed else None
+                consumers.append(window_log_consumer(log_file, rank=rank))
             self._embedded = EmbeddedRuntime(
                 backend=backend,
                 gpus=gpu_indices,
@@ -370,6 +394,9 @@ class Monitor(ClosedOnExit):
             self.prometheus_port = runtime.prometheus_port
             self.gpu_indices = sorted(self._tracker.gpu_indices)
             self.cpu_indices = sorted(self._tracker.cpu_packages)
+        if requested is not None and sorted(set(requested)) == sorted(self.gpu_indices):
+            # In the caller's order, as Zeus keeps it: pop_window()'s energies follow it.
+            self.gpu_indices = list(dict.fromkeys(requested))
         call_at_exit(self.close)
 
     # -- windows --------------------------------------------------------------------------------
@@ -471,7 +498,8 @@ class Monitor(ClosedOnExit):
             self._stack.append(key)
 
     def pop_window(self) -> ProfilingResult:
-        """Close the most recently pushed window and return its time and per-GPU energy.
+        """Close the most recently pushed window and return its time and per-GPU energy (in
+        the order of :attr:`gpu_indices`: the caller's ``gpu_indices`` order, as in Zeus).
 
         Waits for the energy figures (bounded by ``finalize_timeout_s``).
 

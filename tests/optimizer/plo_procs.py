@@ -5,7 +5,7 @@
     is soon profiling below the maximum limit: prints ``profiling`` then, and keeps stepping
     (10 ms per step) until a signal ends it. The optimizer's signal handler restores the limit.
 
-``python plo_procs.py rank``
+``python plo_procs.py rank [group-after] [fail=RANK:LIMIT]``
     One rank of a two-rank gloo job (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``
     in the environment) optimizing with a fake monitor whose energy and time depend on the rank
     and the limit; prints ``{"rank": R, "optimal": W, "measurements": [...]}`` as JSON.
@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -115,28 +116,67 @@ class RankMonitor:
         return _Result(self, m, self.steps + self.delay)
 
 
-def rank() -> None:
+class _Failed:
+    """A window result whose measurement failed (the GPU was lost, say)."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> Measurement:
+        raise RuntimeError("gpu:0 was lost")
+
+
+class FailingMonitor(RankMonitor):
+    """A :class:`RankMonitor` whose window at ``fail_limit`` has no measurement."""
+
+    def __init__(self, *args: Any, fail_limit: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fail_limit = fail_limit
+
+    def end_window(self, name: str, sync_execution: bool = True, cancel: bool = False) -> Any:
+        result = super().end_window(name, sync_execution, cancel)
+        return _Failed() if self.limit == self.fail_limit and not cancel else result
+
+
+def rank(options: list[str]) -> None:
+    """``rank [group-after] [fail=RANK:LIMIT] [profile=PATH]``: ``group-after`` builds the
+    optimizer before the process group exists (Lightning's order); ``fail`` loses RANK's
+    measurement at LIMIT; ``profile`` is the optimizer's ``profile_path`` on every rank."""
     import torch
     import torch.distributed as dist
 
     from zeus_async.optimizer import GlobalPowerLimitOptimizer
 
-    dist.init_process_group("gloo", init_method="env://")
-    r = dist.get_rank()
+    r = int(os.environ["RANK"])
+    fail = next((o.removeprefix("fail=") for o in options if o.startswith("fail=")), None)
+    fail_rank, fail_limit = (int(x) for x in fail.split(":")) if fail else (-1, 0)
+    group_after = "group-after" in options
+    profile = next((o.removeprefix("profile=") for o in options if o.startswith("profile=")), None)
+    if not group_after:
+        dist.init_process_group("gloo", init_method="env://")
     # Rank 0 is faster and hungrier, its results resolve at once; rank 1 is slower and frugal,
     # its results resolve 2 steps late: sums and maxima differ from both ranks' own figures.
+    per_step: Callable[[int], tuple[float, float]]
     if r == 0:
-        monitor = RankMonitor(lambda pl: (0.10 + (300 - pl) / 1000, pl / 10), delay=0)
+        per_step, delay = (lambda pl: (0.10 + (300 - pl) / 1000, pl / 10)), 0
     else:
-        monitor = RankMonitor(lambda pl: (0.15 + (300 - pl) / 2000, pl / 20 + 1), delay=2)
+        per_step, delay = (lambda pl: (0.15 + (300 - pl) / 2000, pl / 20 + 1)), 2
+    monitor = (
+        FailingMonitor(per_step, delay, fail_limit=fail_limit)
+        if r == fail_rank
+        else RankMonitor(per_step, delay)
+    )
     opt = GlobalPowerLimitOptimizer(
         monitor,  # type: ignore[arg-type]
         wait_steps=0,
         warmup_steps=1,
         profile_steps=4,
         pl_step=100,
+        profile_path=profile,
         restore_on_signals=False,
     )
+    if group_after:
+        dist.init_process_group("gloo", init_method="env://")
     grad_mismatches = 0
     for _ in range(40):
         opt.on_step_begin()
@@ -163,6 +203,6 @@ if __name__ == "__main__":
     if sys.argv[1] == "sigterm":
         sigterm(sys.argv[2])
     elif sys.argv[1] == "rank":
-        rank()
+        rank(sys.argv[2:])
     else:
         raise SystemExit(f"unknown command {sys.argv[1:]!r}")

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, cast
@@ -38,6 +38,7 @@ from zeus_async.optimizer import (
     ZeusCost,
     zeus_cost,
 )
+from zeus_async.optimizer.power_limit import collective_device
 from zeus_async.store import RecordingReader
 
 SCRIPT = Path(__file__).with_name("plo_procs.py")
@@ -336,7 +337,10 @@ def test_state_machine_step_by_step(make_opt: Callable[..., GlobalPowerLimitOpti
     assert got[-1] == ("Profiling", 200, 0)  # deciding; the choice is made off this thread
     assert opt.wait_done(timeout=5) == 600
     assert snap(opt) == ("Done", 600) and opt.optimal_power_limit == 600
-    assert [c[0] for c in mon.limit_calls] == [*sets, 600]
+    # Zeus's limits, then the maximum while the choice is made (the steps in between do not
+    # run at the lowest limit), then the choice.
+    assert [c[0] for c in mon.limit_calls] == [*sets, 700, 600]
+    assert mon.limit_calls[-2] == (700.0, "power_limit: deciding")
     assert mon.limit_calls[-1] == (600.0, "power_limit: optimum")
     assert [m.power_limit for m in opt.measurements] == [700, 600, 500, 400, 300, 200]
     for m in opt.measurements:
@@ -522,7 +526,8 @@ def test_failed_decision_keeps_the_maximum(
         (200.0, "measurement failed: sampler died")
     ]
     assert [m.power_limit for m in opt.measurements] == [700]
-    assert mon.limit_calls[-1] == (700.0, "power_limit: optimum")
+    # Back at the maximum while deciding, which is also the choice: nothing more to set.
+    assert mon.limit_calls[-1] == (700.0, "power_limit: deciding")
 
 
 def test_a_decision_that_cannot_be_made_settles_at_the_maximum(
@@ -772,10 +777,38 @@ def test_no_permission_is_reported_at_construction() -> None:
     ) as monitor:
         with pytest.raises(NoPermissionError) as info:
             GlobalPowerLimitOptimizer(monitor)
+        assert isinstance(info.value, RuntimeError)  # what Zeus raises: except clauses work
         message = str(info.value)
         assert "CAP_SYS_ADMIN" in message and "root" in message
         assert "NVML said" in message
     assert signal.getsignal(signal.SIGTERM) == before  # nothing installed
+
+
+def test_a_second_optimizer_on_one_monitor_is_refused(
+    make_opt: Callable[..., GlobalPowerLimitOptimizer],
+) -> None:
+    mon = FakeMonitor()
+    first = make_opt(mon)
+    with pytest.raises(ConfigError, match="already has a power-limit optimizer"):
+        make_opt(mon)
+    first.close()
+    make_opt(mon)  # once the first is closed, a new one may take over
+
+
+def test_epochs_too_short_to_profile_are_said(
+    make_opt: Callable[..., GlobalPowerLimitOptimizer], caplog: pytest.LogCaptureFixture
+) -> None:
+    mon = FakeMonitor()
+    opt = make_opt(mon, wait_steps=0, warmup_steps=3, profile_steps=5)
+    with caplog.at_level("WARNING"):
+        for _epoch in range(3):  # 4-step epochs: 3 warmup + 5 profiled steps never fit
+            for _ in range(4):
+                step(opt, mon)
+            opt.on_epoch_end()
+    said = [r.getMessage() for r in caplog.records if "profiling never finishes" in r.getMessage()]
+    assert len(said) == 1, said  # once, at the second interruption
+    assert "700 W" in said[0] and "3 warmup + 5 profiled steps" in said[0]
+    assert opt.measurements == []
 
 
 # -- 5. adaptive profiling ------------------------------------------------------------------------
@@ -920,12 +953,13 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_ranks_over_gloo_combine_measurements() -> None:
+def _run_ranks(*options: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two ``plo_procs.py rank`` processes over gloo; their JSON outputs, rank 0 first."""
     pytest.importorskip("torch")
     env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
     procs = [
         subprocess.Popen(
-            [sys.executable, str(SCRIPT), "rank"],
+            [sys.executable, str(SCRIPT), "rank", *options],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -946,24 +980,77 @@ def test_two_ranks_over_gloo_combine_measurements() -> None:
                 proc.wait()
     r0, r1 = sorted(outputs, key=lambda o: o["rank"])
     assert (r0["rank"], r1["rank"]) == (0, 1)
-    # Both ranks hold the same, combined measurements: energy summed, time the maximum, over
-    # the 4 profiled steps (rank 0: t = 0.1 + (300-pl)/1000, e = pl/10 per step; rank 1:
-    # t = 0.15 + (300-pl)/2000, e = pl/20 + 1).
-    assert r0["measurements"] == r1["measurements"]
-    got = [(m["power_limit"], m["energy"], m["time"]) for m in r0["measurements"]]
+    return r0, r1
+
+
+def _combined(limits: Sequence[int]) -> list[tuple[int, float, float]]:
+    """The measurements both ranks must hold: energy summed, time the maximum, over the 4
+    profiled steps (rank 0: t = 0.1 + (300-pl)/1000, e = pl/10 per step; rank 1:
+    t = 0.15 + (300-pl)/2000, e = pl/20 + 1)."""
     want = []
-    for pl in (300, 200, 100):
+    for pl in limits:
         e0, t0 = 4 * pl / 10, 4 * (0.10 + (300 - pl) / 1000)
         e1, t1 = 4 * (pl / 20 + 1), 4 * (0.15 + (300 - pl) / 2000)
         want.append((pl, e0 + e1, max(t0, t1)))
+    return want
+
+
+# Built before the process group (Lightning creates it in trainer.fit()) or after.
+@pytest.mark.parametrize("order", ["group-first", "group-after"])
+def test_two_ranks_over_gloo_combine_measurements(order: str, tmp_path: Path) -> None:
+    profile = tmp_path / "profile.json"  # the same path on both ranks: one job profile
+    options = [f"profile={profile}", *(["group-after"] if order == "group-after" else [])]
+    r0, r1 = _run_ranks(*options)
+    saved = msgspec.json.decode(profile.read_bytes(), type=PowerLimitProfile)
+    assert msgspec.to_builtins(saved.measurements) == r0["measurements"]
+    assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]
+    assert r0["measurements"] == r1["measurements"]
+    got = [(m["power_limit"], m["energy"], m["time"]) for m in r0["measurements"]]
+    want = _combined((300, 200, 100))
     assert got == [(pl, pytest.approx(e), pytest.approx(t)) for pl, e, t in want]
     # The max comes from rank 1 at 300 W and from rank 0 at 100 W.
     assert got[0][2] == pytest.approx(0.6) and got[2][2] == pytest.approx(1.2)
     # The training steps' own collectives were never mixed up with the optimizer's, though
     # rank 1's results resolved two steps later than rank 0's.
     assert r0["grad_mismatches"] == r1["grad_mismatches"] == 0
-    assert r0["optimal"] == r1["optimal"] == ZeusCost(0.5).select([M(*w) for w in want])
+    # The default selector weighs time by the job's maximum power: both ranks' GPUs.
+    selector = ZeusCost(0.5, world_size=2)
+    assert r0["optimal"] == r1["optimal"] == selector.select([M(*w) for w in want])
     assert r0["profiling_steps"] == r1["profiling_steps"] == 3 * 5
+
+
+def test_a_rank_without_a_measurement_does_not_hang_the_others() -> None:
+    # Rank 1 loses its measurement at 200 W: both ranks leave that limit out and agree.
+    r0, r1 = _run_ranks("fail=1:200")
+    assert r0["measurements"] == r1["measurements"]
+    assert [m["power_limit"] for m in r0["measurements"]] == [300, 100]
+    want = _combined((300, 100))
+    assert (
+        r0["optimal"] == r1["optimal"] == ZeusCost(0.5, world_size=2).select([M(*w) for w in want])
+    )
+    assert r0["grad_mismatches"] == r1["grad_mismatches"] == 0
+
+
+@pytest.mark.parametrize(
+    ("backend", "cuda", "device"),
+    [
+        ("gloo", None, "cpu"),
+        ("gloo", 3, "cpu"),
+        ("nccl", 3, "cuda:3"),
+        ("cpu:gloo,cuda:nccl", 1, "cpu"),
+        ("mpi", None, "cpu"),
+        ("NCCL", 0, "cuda:0"),
+    ],
+)
+def test_collectives_run_on_the_device_the_backend_needs(
+    backend: str, cuda: int | None, device: str
+) -> None:
+    assert collective_device(backend, cuda) == device
+
+
+def test_an_nccl_group_without_cuda_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="no CPU collectives"):
+        collective_device("nccl", None)
 
 
 def test_adaptive_warmup_ends_once_two_steps_agree(
@@ -1007,8 +1094,9 @@ def test_states_and_limits_reach_the_stream_of_a_real_monitor(tmp_path: Path) ->
     assert ("warmup", 450.0) in states and ("profiling", 200.0) in states
     assert ("done", float(chosen)) in states and states[-1] == ("restored", 700.0)
     limits = [(e.power_limit_w, e.source) for e in events if isinstance(e, PowerLimitChange)]
-    expected = [700.0, 450.0, 200.0]  # start at the max (also the first limit), then down
-    if chosen != 200:
+    # Start at the max (also the first limit), then down; back at the max while deciding.
+    expected = [700.0, 450.0, 200.0, 700.0]
+    if chosen != 700:
         expected.append(float(chosen))
     assert [w for w, _ in limits] == [*expected, 700.0]
     assert limits[-1] == (700.0, "power_limit: restore")

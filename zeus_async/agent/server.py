@@ -400,7 +400,11 @@ async def _run_runtime(
             prometheus_addr=cfg.prometheus_addr,
         ) as rt:
             if cfg.log_file:
-                rt.start_consumer(window_log_consumer(cfg.log_file), isolate="window log")
+                rank = cfg.meta.get("rank")
+                rt.start_consumer(
+                    window_log_consumer(cfg.log_file, rank=None if rank is None else int(rank)),
+                    isolate="window log",
+                )
             agent = Agent(cfg, rt, router)
             tracker = rt.tracker
             assert tracker is not None

@@ -29,6 +29,7 @@ exit, on an exception leaving a ``with`` block, and on SIGINT/SIGTERM.
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib
 import logging
 import math
@@ -37,7 +38,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
@@ -46,6 +47,7 @@ import msgspec
 from .._exit import ClosedOnExit, SignalRestorer, call_at_exit
 from ..errors import ConfigError, NoPermissionError
 from ..events import OptimizerState
+from ..ranks import rank_path
 
 if TYPE_CHECKING:
     from ..aggregate.windows import WindowResult
@@ -345,22 +347,35 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
     Args:
         monitor: The :class:`~zeus_async.Monitor` measuring the GPUs to optimize (all of its
             GPUs get the same limit). With several ranks, each rank's monitor watches its GPU.
-        optimum_selector: Default ``ZeusCost(eta_knob=0.5, world_size=len(monitor GPUs))``.
+        optimum_selector: Default ``ZeusCost(eta_knob=0.5, world_size=len(monitor GPUs))``;
+            with several ranks, ``world_size`` becomes every rank's GPUs (Zeus keeps this
+            rank's count while it sums every rank's energy, which underweights time).
         wait_steps: Steps to let pass before the first warmup.
         warmup_steps: Steps at each limit before profiling it.
         profile_steps: Steps profiled at each limit.
         pl_step: Stride between profiled limits (W).
         profile_path: An existing file: load the measurements from it and skip profiling; a
-            new file: profile and save the measurements to it.
+            new file: profile and save the measurements to it. May hold ``{node}``,
+            ``{host}``, ... (:func:`zeus_async.ranks.rank_path`). With several ranks the
+            measurements are the job's (combined), so every rank loads the same file and rank
+            0 alone writes it.
         adaptive: Profile adaptively (:class:`AdaptiveOptions`; ``True`` for the defaults).
         restore_on_signals: Restore the maximum limit on SIGINT and SIGTERM (main thread only),
             then let the signal do what it did before.
 
+    Where it differs from Zeus 0.16, on purpose: persistence mode is left as it is (Zeus turns
+    it on and never back: node-wide driver state that outlives the job; the node agent keeps
+    NVML open while it holds a limit, which is what keeps the limit in force); the steps while
+    the choice is made run at the maximum limit, not the lowest one profiled; a monitor takes
+    one optimizer at a time; epochs too short to profile a limit are said in a warning.
+
     Raises:
         ValueError: Invalid step counts, GPUs with different power-limit ranges.
-        NoPermissionError: The process may not change power limits (says which privilege).
+        NoPermissionError: The process may not change power limits (says which privilege);
+            also a ``RuntimeError``, as Zeus raises.
         ConfigError: ``profile_path`` holds a corrupt profile, or is new and its directory is
-            missing or not writable; adaptive profiling across ranks.
+            missing or not writable; adaptive profiling across ranks; a monitor that already
+            has an optimizer.
     """
 
     def __init__(
@@ -384,14 +399,27 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
             raise ValueError(f"profile_steps must be positive, got {profile_steps!r}")
         if pl_step <= 0:
             raise ValueError(f"pl_step must be positive, got {pl_step!r}")
+        current = getattr(monitor, "_power_limit_optimizer", None)
+        if current is not None and not current._closed:
+            raise ConfigError(
+                "this monitor already has a power-limit optimizer: two would set the GPUs' "
+                "limits over each other (close() the first one)"
+            )
         self.monitor = monitor
+        # The default weighs time by the job's maximum power: every rank's GPUs once ranks
+        # combine (Zeus counts this rank's only, while summing every rank's energy).
+        self._default_selector = optimum_selector is None
         self.optimum_selector: OptimumSelector = optimum_selector or ZeusCost(
             eta_knob=0.5, world_size=len(monitor.gpu_indices)
         )
         self.warmup_steps = warmup_steps
         self.profile_steps = profile_steps
         self.pl_step = pl_step
-        self.profile_path = None if profile_path is None else Path(profile_path)
+        # One profile for the job (every rank holds the combined measurements; rank 0 writes
+        # it): placeholders such as {node} are filled in, the rank is not added.
+        self.profile_path = (
+            None if profile_path is None else rank_path(profile_path, per_rank=False)
+        )
         if self.profile_path is not None and not self.profile_path.exists():
             folder = self.profile_path.absolute().parent
             if not folder.is_dir() or not os.access(folder, os.W_OK):
@@ -403,7 +431,8 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
         self.adaptive: AdaptiveOptions | None = (
             AdaptiveOptions() if adaptive is True else adaptive or None
         )
-        self._dist = _distributed()
+        self._dist: _Ranks | None = _distributed()
+        self._joined = False
         if self.adaptive is not None and self._dist is not None:
             raise ConfigError(
                 "adaptive profiling is single-process for now: its early decisions are not "
@@ -423,6 +452,8 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
         self._step_window: str | None = None
         self._profiled_steps = 0
         self._deciding = False
+        #: Epoch ends that interrupted each limit's warmup or profile.
+        self._interrupted: dict[int, int] = {}
         self._closed = False
         self._lock = threading.Lock()
         self._signals = SignalRestorer(self.close, "restoring the maximum power limit")
@@ -442,6 +473,8 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
         else:
             self.state = Ready(self.power_limits[0], wait_steps + 1)
             self._emit("ready", self.power_limits[0], steps=wait_steps + 1)
+        with contextlib.suppress(AttributeError):  # a monitor stand-in with __slots__
+            monitor._power_limit_optimizer = self  # type: ignore[attr-defined]
         call_at_exit(self.close)
         # Closing the monitor first closes this (its restores go through the monitor).
         on_close = getattr(self.monitor, "on_close", None)
@@ -473,10 +506,13 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
     # -- the training thread's hooks ------------------------------------------------------------
 
     def on_step_begin(self) -> None:
-        """Call at the start of every training step (microseconds; never waits)."""
+        """Call at the start of every training step (microseconds; never waits, except once
+        per profiled limit with several ranks, see :meth:`_start_deciding`)."""
         state = self.state
         if type(state) is Done:
             return
+        if not self._joined:
+            self._join_ranks()
         if type(state) is Ready:
             state.steps -= 1
             if state.steps == 0:
@@ -512,9 +548,43 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
             if type(state) is Profiling:
                 self.monitor.end_window(self._window_name(limit), sync_execution=False, cancel=True)
             self._end_step_windows()
+            interrupted = self._interrupted[limit] = self._interrupted.get(limit, 0) + 1
+            if interrupted == 2:
+                logger.warning(
+                    "power-limit optimizer: epochs keep ending before %d W is profiled, which "
+                    "takes %d warmup + %d profiled steps in one epoch; with epochs this short "
+                    "profiling never finishes (lower warmup_steps or profile_steps)",
+                    limit,
+                    self.warmup_steps,
+                    self.profile_steps,
+                )
             self.state = Ready(limit, 1)
             self._set_limit(self.max_power_limit, why="epoch ended mid-profile")
             self._emit("ready", limit, steps=1, detail="interrupted by the end of an epoch")
+
+    def _join_ranks(self) -> None:
+        """Find the job's ranks (``torch.distributed``), at the first step and again when a
+        limit's measurement is combined: every rank runs this at the same step, whenever the
+        framework created its process group (Lightning: inside ``trainer.fit()``; Hugging
+        Face: with the ``TrainingArguments``). Counts every rank's GPUs for the default
+        selector (one collective, once)."""
+        if self._dist is None:
+            self._dist = _distributed()
+            if self._dist is None:
+                return
+        self._joined = True
+        if self.adaptive is not None:
+            logger.warning(
+                "power-limit optimizer: %d ranks; adaptive profiling is single-process for "
+                "now, so every limit is profiled in full",
+                self._dist.world_size,
+            )
+            self.adaptive = None
+            self._stats = None
+        if self._default_selector and isinstance(self.optimum_selector, ZeusCost):
+            gpus = self._dist.total(len(self.monitor.gpu_indices))
+            self.optimum_selector.world_size = max(gpus, 1)
+            logger.info("power-limit optimizer: %d ranks, %d GPUs", self._dist.world_size, gpus)
 
     # -- transitions ------------------------------------------------------------------------------
 
@@ -597,6 +667,8 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
         if self._step_window is not None:
             self.monitor.end_window(self._step_window, sync_execution=False, cancel=True)
             self._step_window = None
+        if not self._joined:
+            self._join_ranks()
         if self._dist is not None:
             # Every rank must run the all-reduce at this same step, in the same order relative
             # to its other collectives (DDP's): record now, waiting ~0.2 s once per limit.
@@ -631,6 +703,9 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
         if self._dist is not None:
             self._decide()
         else:
+            # The steps until the decision lands (the last window's figures, ~0.2 s) run at
+            # the maximum, not at the lowest limit just profiled.
+            self._set_limit(self.max_power_limit, why="deciding")
             threading.Thread(target=self._decide, name="zeus-async-plo", daemon=True).start()
 
     # -- measurements -----------------------------------------------------------------------------
@@ -657,6 +732,10 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
             m = result.wait()
         except Exception as exc:  # e.g. the GPU was lost: this limit goes unmeasured
             logger.warning("power-limit optimizer: no measurement at %d W (%s)", limit, exc)
+            if self._dist is not None:
+                # The other ranks are in (or on their way to) the combine: take part, saying
+                # this rank has nothing, so that every rank drops the limit alike.
+                self._dist.combine(0.0, 0.0, True)
             self._emit("failed", limit, detail=f"measurement failed: {exc}")
             return
         energy = sum(m.gpu_energy_j.values())
@@ -674,7 +753,15 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
             energy *= self.profile_steps / steps
             elapsed *= self.profile_steps / steps
         if self._dist is not None:
-            energy, elapsed = self._dist(energy, elapsed)
+            energy, elapsed, failed = self._dist.combine(energy, elapsed, False)
+            if failed:
+                logger.warning(
+                    "power-limit optimizer: another rank has no measurement at %d W; every "
+                    "rank leaves this limit out",
+                    limit,
+                )
+                self._emit("failed", limit, detail="another rank's measurement failed")
+                return
         measurement = PowerLimitMeasurement(limit, max(energy, 1e-9), max(elapsed, 1e-9))
         self.measurements.append(measurement)
         self._emit(
@@ -812,6 +899,8 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
     def _save_profile(self) -> None:
         if self.profile_path is None:
             return
+        if self._dist is not None and self._dist.rank != 0:
+            return  # the same measurements as rank 0's, which writes them (one writer)
         data = msgspec.json.format(
             msgspec.json.encode(PowerLimitProfile(self.measurements)), indent=2
         )
@@ -856,9 +945,62 @@ def _load_profile(path: Path) -> list[PowerLimitMeasurement]:
     return profile.measurements
 
 
-def _distributed() -> Callable[[float, float], tuple[float, float]] | None:
-    """With ``torch.distributed`` initialized (several ranks): a function combining one rank's
-    ``(energy, time)`` with every rank's — energy summed, time the maximum."""
+def collective_device(backend: str, current_cuda_device: int | None) -> str:
+    """The device of the tensors a process group's collectives need: ``"cpu"`` when its
+    backend runs CPU collectives (gloo, MPI, UCC, or a mixed ``cpu:gloo,cuda:nccl``), else
+    ``"cuda:N"`` on this rank's current CUDA device (NCCL only: Hugging Face/accelerate's and
+    Lightning's groups on GPUs, which have no CPU collectives).
+
+    Raises:
+        ConfigError: An NCCL-only group on a rank without CUDA.
+    """
+    parts = [p.strip().lower() for p in backend.split(",") if p.strip()]
+    for part in parts:
+        device, _, name = part.rpartition(":")
+        if device in ("", "cpu") and name in ("gloo", "mpi", "ucc"):
+            return "cpu"
+    if current_cuda_device is None:
+        raise ConfigError(
+            f"the process group's backend {backend!r} has no CPU collectives and this rank "
+            "has no CUDA device"
+        )
+    return f"cuda:{current_cuda_device}"
+
+
+class _Ranks:
+    """The optimizer's collectives over ``torch.distributed``'s default group, with tensors on
+    the device its backend needs. Every rank calls each method at the same training step."""
+
+    def __init__(self, torch: Any, dist: Any) -> None:
+        self._torch = torch
+        self._dist = dist
+        cuda = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self.device = torch.device(collective_device(str(dist.get_backend()), cuda))
+        self.world_size = int(dist.get_world_size())
+        self.rank = int(dist.get_rank())
+
+    def _reduce(self, values: list[float], op: str) -> list[float]:
+        tensor = self._torch.tensor(values, dtype=self._torch.float64, device=self.device)
+        self._dist.all_reduce(tensor, op=getattr(self._dist.ReduceOp, op))
+        return [float(v) for v in tensor.tolist()]
+
+    def combine(self, energy: float, elapsed: float, failed: bool) -> tuple[float, float, bool]:
+        """Energy summed, time the maximum, and whether any rank had no measurement."""
+        summed = self._reduce([0.0 if failed else energy, 1.0 if failed else 0.0], "SUM")
+        (longest,) = self._reduce([0.0 if failed else elapsed], "MAX")
+        return summed[0], longest, summed[1] > 0
+
+    def total(self, count: int) -> int:
+        """The sum of every rank's ``count``."""
+        return round(self._reduce([float(count)], "SUM")[0])
+
+
+def _distributed() -> _Ranks | None:
+    """With ``torch.distributed`` initialized (several ranks): the optimizer's collectives.
+
+    Looked up when the optimizer first steps and again when it combines, not only when it is
+    built: a framework may create its process group later (Lightning in ``trainer.fit()``).
+    """
     if "torch" not in sys.modules:
         return None  # torch.distributed cannot be initialized without torch imported
     try:
@@ -868,12 +1010,4 @@ def _distributed() -> Callable[[float, float], tuple[float, float]] | None:
         return None
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
-
-    def combine(energy: float, elapsed: float) -> tuple[float, float]:
-        e = torch.tensor([energy], dtype=torch.float64)
-        t = torch.tensor([elapsed], dtype=torch.float64)
-        dist.all_reduce(e, op=dist.ReduceOp.SUM)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(e.item()), float(t.item())
-
-    return combine
+    return _Ranks(torch, dist)
