@@ -386,3 +386,23 @@ def test_adaptive_reads_in_either_sampler(tmp_path: Path, sampler: str) -> None:
     # skips ticks — one run woke 110 times in 1.65 s.) Energy is read on fewer of them.
     assert all(e.power_w is not None for e in events)
     assert energy_reads < len(events)
+
+
+def test_pop_window_follows_the_callers_gpu_order() -> None:
+    # gpu:1 busy, gpu:0 idle; asked for as [1, 0]: the first energy is gpu:1's, as in Zeus.
+    config = SimConfig(
+        num_gpus=2,
+        gpus=(
+            GpuOverride(workload=ConstantWorkload(util=0.0)),
+            GpuOverride(workload=ConstantWorkload(util=1.0)),
+        ),
+    )
+    with Monitor(
+        gpu_indices=[1, 0], backend="sim", cpu_indices=[], sim_config=config, sampler="thread"
+    ) as mon:
+        assert mon.gpu_indices == [1, 0]
+        mon.push_window()
+        time.sleep(0.3)
+        busy, idle = mon.pop_window().energy
+    sim_pynvml.uninstall()
+    assert busy > 2 * idle > 0

@@ -79,8 +79,12 @@ class NotSupportedError(DeviceError):
     kind = "not_supported"
 
 
-class NoPermissionError(DeviceError):
-    """The process lacks the privilege for this operation (setting power limits or clocks)."""
+class NoPermissionError(DeviceError, RuntimeError):
+    """The process lacks the privilege for this operation (setting power limits or clocks).
+
+    Also a :class:`RuntimeError`, what Zeus raises there: code written for Zeus that catches
+    ``RuntimeError`` around its optimizer keeps working.
+    """
 
     kind = "no_permission"
 

@@ -116,6 +116,12 @@ def test_hf_callback_forwards_hooks(
     cb.on_step_begin(args, state, control)
     cb.on_train_end(args, state, control, model=None)
     assert cb.optimizer.calls == ["step", "step", "step", "epoch", "step", "close"]
+    # Zeus's hooks take the model positionally; code calling them so keeps working.
+    model = object()
+    cb.on_step_begin(args, state, control, model)
+    cb.on_epoch_end(args, state, control, model, extra=1)
+    cb.on_train_end(args, state, control, model)
+    assert cb.optimizer.calls[-3:] == ["step", "epoch", "close"]
 
 
 def test_hf_callback_defaults_match_the_optimizer(

@@ -125,15 +125,23 @@ class HFGlobalPowerLimitOptimizer(_HFBase):
             restore_on_signals,
         )
 
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    # ``model`` may come positionally, as Zeus's hooks take it (the Trainer passes keywords).
+
+    def on_step_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
         """The start of a training step."""
         self.optimizer.on_step_begin()
 
-    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_epoch_end(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
         """The end of an epoch."""
         self.optimizer.on_epoch_end()
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
         """The end of training: restore the maximum power limit."""
         self.optimizer.close()
 

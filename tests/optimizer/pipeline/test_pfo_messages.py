@@ -206,6 +206,22 @@ def test_settings_from_env() -> None:
     assert PfoSettings.from_env(env, dump_data=True).dump_data is True
 
 
+def test_settings_names_and_booleans_as_pydantic_settings_reads_them() -> None:
+    # Variable names in any case; t/f/y/n booleans; the exact upper-case name wins.
+    plan = {"zeus_pfo_scheduler_args": json.dumps({"solution_path": str(PLAN)})}
+    s = PfoSettings.from_env({**plan, "zeus_pfo_dump_dir": "/tmp/low", "Zeus_Pfo_Dump_Data": "f"})
+    assert (s.dump_dir, s.dump_data) == ("/tmp/low", False)
+    for text, value in (("t", True), ("Y", True), ("n", False), ("F", False)):
+        assert PfoSettings.from_env({**plan, "ZEUS_PFO_DUMP_DATA": text}).dump_data is value
+    both = {**plan, "zeus_pfo_dump_dir": "/tmp/low", "ZEUS_PFO_DUMP_DIR": "/tmp/up"}
+    assert PfoSettings.from_env(both).dump_dir == "/tmp/up"
+
+
+def test_job_info_with_a_degree_that_is_not_a_number_says_so() -> None:
+    with pytest.raises(ConfigError, match="pp_degree must be a whole number, not '2'"):
+        JobInfo(pp_degree="2", dp_degree=1, tp_degree=1, world_size=2)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("env", "match"),
     [

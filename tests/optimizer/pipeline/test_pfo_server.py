@@ -116,7 +116,10 @@ def test_a_stopping_server_finishes_its_dumps(
     assert load_sched(dump, 1) == load_sched(dump, 0)
 
 
-def test_error_replies_and_server_keeps_serving(tmp_path: Path) -> None:
+def test_error_replies_and_server_keeps_serving(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("DEBUG", logger="zeus_async.optimizer.pipeline.server")
     args = {"solution_path": _plan_file(tmp_path, 2)}
     with running_server(tmp_path, scheduler="PointSolution", scheduler_args=args) as (_, ep):
         (c,) = clients(ep, 1)
@@ -166,6 +169,12 @@ def test_error_replies_and_server_keeps_serving(tmp_path: Path) -> None:
         c.report(job, result_for(sched))
         assert code(c.report, job, result_for(sched)) == "duplicate"
         assert c.info().jobs[0].job_id == job
+    # At DEBUG the server says every request and what it answered.
+    said = [r.getMessage() for r in caplog.records if r.name.endswith("pipeline.server")]
+    assert any(m.startswith("request RegisterJob(") for m in said), said
+    assert any(m.startswith("reply error bad_rank: ") for m in said)
+    assert any(m.startswith("reply ") and "error" not in m for m in said)
+    assert any(m.startswith("bad request (") for m in said)
 
 
 def test_scheduler_failure_is_reported_to_waiting_ranks_only(tmp_path: Path) -> None:

@@ -26,6 +26,8 @@ import aiofiles
 import aiofiles.os
 import msgspec
 
+from ...errors import ConfigError
+
 __all__ = [
     "CSV_COLUMNS",
     "FrequencySchedule",
@@ -92,7 +94,11 @@ class JobInfo(msgspec.Struct, kw_only=True):
 
     def __post_init__(self) -> None:
         for name in ("pp_degree", "dp_degree", "tp_degree", "world_size"):
-            if getattr(self, name) < 1:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                # msgspec checks types when decoding; a direct JobInfo(...) does not.
+                raise ConfigError(f"{name} must be a whole number, not {value!r}")
+            if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         product = self.pp_degree * self.dp_degree * self.tp_degree
         if product != self.world_size:

@@ -60,6 +60,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7787"
 
 _Peer = tuple[bytes, bytes]  # (ROUTER identity, request id)
+
+
+def _describe(message: object) -> str:
+    """A request or reply for a debug line: its type and fields, long values shortened."""
+    text = repr(message)
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 _MAX_METADATA = 100
 
 
@@ -215,15 +223,24 @@ class PfoServer:
         try:
             request = p.request_decoder.decode(parts[3])
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            logger.debug("bad request (%d bytes): %s", len(parts[3]), exc)
             self._send(peer, p.ErrorReply(code="bad_request", message=str(exc)))
             return
+        debug = logger.isEnabledFor(logging.DEBUG)
+        if debug:
+            logger.debug("request %s", _describe(request))
         try:
             reply = self._dispatch(request, peer)
         except _Failure as exc:
+            logger.debug("reply error %s: %s", exc.code, exc)
             self._send(peer, p.ErrorReply(code=exc.code, message=str(exc)))
             return
         if reply is not None:
+            if debug:
+                logger.debug("reply %s", _describe(reply))
             self._send(peer, reply)
+        elif debug:
+            logger.debug("parked until its schedule exists")
 
     def _job(self, job_id: str) -> _Job:
         job = self.jobs.get(job_id)

@@ -12,6 +12,10 @@ variable                       meaning                                          
 ``ZEUS_PFO_MAX_JOB_IDLE_TIME`` seconds without a request before a job is evicted       604800
 =============================  ======================================================  ==========
 
+Names are read in any case (``zeus_pfo_dump_dir``; the upper-case spelling wins when both are
+set) and booleans as ``1/0``, ``true/false``, ``yes/no``, ``on/off``, ``t/f``, ``y/n``, as the
+seed's pydantic settings read them.
+
 The scheduler arguments are checked against the scheduler's constructor when the settings are
 made, so a typo fails at server start with the constructor's signature in the message, not at
 the first job.
@@ -40,8 +44,9 @@ logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "ZEUS_PFO_"
 _LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET")
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
+# What pydantic-settings (the seed's settings) accepts, case-insensitively.
+_TRUE = ("1", "true", "yes", "on", "t", "y")
+_FALSE = ("0", "false", "no", "off", "f", "n")
 
 
 class PfoSettings(msgspec.Struct, kw_only=True, frozen=True):
@@ -73,12 +78,19 @@ class PfoSettings(msgspec.Struct, kw_only=True, frozen=True):
             ConfigError: A value that does not parse or validate, naming the variable.
         """
         env = os.environ if env is None else env
+        # Variable names are case-insensitive, as with pydantic-settings (zeus_pfo_dump_dir);
+        # an exact upper-case name wins over other spellings.
+        folded: dict[str, tuple[str, str]] = {}
+        for var, raw in env.items():
+            upper = var.upper()
+            if upper.startswith(ENV_PREFIX) and (upper not in folded or var == upper):
+                folded[upper] = (var, raw)
         values: dict[str, Any] = {}
         for name in cls.__struct_fields__:
-            var = ENV_PREFIX + name.upper()
-            raw = env.get(var)
-            if raw is None:
+            found = folded.get(ENV_PREFIX + name.upper())
+            if found is None:
                 continue
+            var, raw = found
             values[name] = parse_setting(var, name, raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
         unknown = set(values) - set(cls.__struct_fields__)
