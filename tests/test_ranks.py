@@ -15,7 +15,7 @@ from zeus_async.errors import ConfigError
 from zeus_async.events import GpuSample
 from zeus_async.ranks import RankInfo, rank_info, rank_path
 from zeus_async.store import RecordingReader
-from zeus_async.testing.procs import sim_env
+from zeus_async.testing.procs import run_ranks, sim_env
 
 
 @pytest.mark.parametrize(
@@ -154,3 +154,38 @@ def test_two_ranks_with_the_same_paths_write_their_own_files(tmp_path: Path) -> 
         assert [r["name"] for r in rows] == ["step0", "step1", "step2"]
         assert {r["rank"] for r in rows} == {str(rank)} and all(r["host"] for r in rows)
         assert all(f"gpu{rank}_energy_j" in r for r in rows)
+
+
+JOB_SCRIPT = """
+import sys
+import torch.distributed as dist
+from zeus_async.events import Measurement
+from zeus_async.ranks import job_energy
+
+class Result:  # a window's result on this rank: GPU r drew 10 * (r + 1) J
+    def __init__(self, rank):
+        self.m = Measurement("h", 0, "step", 0, 0, 0, 1.0, {rank: 10.0 * (rank + 1)})
+    def wait(self, timeout=None):
+        return self.m
+
+dist.init_process_group("gloo", init_method="env://")
+print(job_energy(Result(dist.get_rank())), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_the_energy_of_a_window_over_every_rank() -> None:
+    pytest.importorskip("torch")
+    outputs = run_ranks([sys.executable, "-c", JOB_SCRIPT], sim_env(SimConfig()))
+    assert [float(out) for out in outputs] == [30.0, 30.0]  # the job's figure, on every rank
+
+
+def test_the_energy_of_a_window_in_one_process() -> None:
+    from zeus_async.events import Measurement
+    from zeus_async.ranks import job_energy
+
+    class Result:
+        def wait(self, timeout: float | None = None) -> Measurement:
+            return Measurement("h", 0, "w", 0, 0, 0, 1.0, {0: 2.0, 1: 3.0})
+
+    assert job_energy(Result()) == 5.0  # type: ignore[arg-type]

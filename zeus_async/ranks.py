@@ -16,17 +16,32 @@ before its suffix (``run.zarc`` → ``run.rank1.zarc``), so ranks never write in
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import socket
 import string
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
 
-__all__ = ["PLACEHOLDERS", "RankInfo", "rank_info", "rank_path"]
+if TYPE_CHECKING:
+    from .aggregate.windows import WindowResult
+
+__all__ = [
+    "PLACEHOLDERS",
+    "Collectives",
+    "RankInfo",
+    "collective_device",
+    "collectives",
+    "job_energy",
+    "rank_info",
+    "rank_path",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -174,3 +189,95 @@ def rank_path(
 
 def _names() -> str:
     return ", ".join(f"{{{name}}}" for name in PLACEHOLDERS)
+
+
+# -- collectives ----------------------------------------------------------------------------
+
+
+def collective_device(backend: str, current_cuda_device: int | None) -> str:
+    """The device of the tensors a process group's collectives need: ``"cpu"`` when its
+    backend runs CPU collectives (gloo, MPI, UCC, or a mixed ``cpu:gloo,cuda:nccl``), else
+    ``"cuda:N"`` on this rank's current CUDA device (NCCL only: Hugging Face/accelerate's and
+    Lightning's groups on GPUs, which have no CPU collectives).
+
+    Raises:
+        ConfigError: An NCCL-only group on a rank without CUDA.
+    """
+    parts = [p.strip().lower() for p in backend.split(",") if p.strip()]
+    for part in parts:
+        device, _, name = part.rpartition(":")
+        if device in ("", "cpu") and name in ("gloo", "mpi", "ucc"):
+            return "cpu"
+    if current_cuda_device is None:
+        raise ConfigError(
+            f"the process group's backend {backend!r} has no CPU collectives and this rank "
+            "has no CUDA device"
+        )
+    return f"cuda:{current_cuda_device}"
+
+
+class Collectives:
+    """A few collectives over ``torch.distributed``'s default group, with tensors on the
+    device its backend needs. Every rank calls each method at the same point of its program
+    (the same training step), as with any collective."""
+
+    def __init__(self, torch: Any, dist: Any) -> None:
+        self._torch = torch
+        self._dist = dist
+        cuda = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self.device = torch.device(collective_device(str(dist.get_backend()), cuda))
+        self.world_size = int(dist.get_world_size())
+        self.rank = int(dist.get_rank())
+
+    def _reduce(self, values: list[float], op: str) -> list[float]:
+        tensor = self._torch.tensor(values, dtype=self._torch.float64, device=self.device)
+        self._dist.all_reduce(tensor, op=getattr(self._dist.ReduceOp, op))
+        return [float(v) for v in tensor.tolist()]
+
+    def combine(self, energy: float, elapsed: float, failed: bool) -> tuple[float, float, bool]:
+        """Energy summed, time the maximum, and whether any rank had no measurement."""
+        summed = self._reduce([0.0 if failed else energy, 1.0 if failed else 0.0], "SUM")
+        (longest,) = self._reduce([0.0 if failed else elapsed], "MAX")
+        return summed[0], longest, summed[1] > 0
+
+    def total(self, count: int) -> int:
+        """The sum of every rank's ``count``."""
+        return round(self.sum(float(count)))
+
+    def sum(self, value: float) -> float:
+        """The sum of every rank's ``value``."""
+        return self._reduce([value], "SUM")[0]
+
+
+def collectives() -> Collectives | None:
+    """With ``torch.distributed`` initialized (several ranks): its :class:`Collectives`;
+    ``None`` in a single process. Look it up when you need it, not once at start: a framework
+    may create its process group late (Lightning inside ``trainer.fit()``)."""
+    if "torch" not in sys.modules:
+        return None  # torch.distributed cannot be initialized without torch imported
+    try:
+        torch: Any = importlib.import_module("torch")
+        dist: Any = importlib.import_module("torch.distributed")
+    except ImportError:
+        return None
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    return Collectives(torch, dist)
+
+
+def job_energy(result: WindowResult, timeout: float | None = None) -> float:
+    """Joules of a window over every rank's GPUs: one figure for the whole job.
+
+    A collective: every rank calls it for the same window, at the same point of its program
+    (after ending the window, as the training step's own collectives are). Waits for this
+    rank's figure (``timeout``), then sums over the ranks; in a single process, this rank's
+    GPU energy.
+
+    Raises:
+        Whatever :meth:`WindowResult.wait` raises (a measurement that failed); the other ranks
+        then wait at the collective until the process group's timeout, so call it where a
+        failure ends the job anyway, or catch it on every rank.
+    """
+    joules = sum(result.wait(timeout).gpu_energy_j.values())
+    ranks = collectives()
+    return joules if ranks is None else ranks.sum(joules)

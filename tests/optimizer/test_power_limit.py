@@ -7,7 +7,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -38,8 +37,9 @@ from zeus_async.optimizer import (
     ZeusCost,
     zeus_cost,
 )
-from zeus_async.optimizer.power_limit import collective_device
+from zeus_async.ranks import collective_device
 from zeus_async.store import RecordingReader
+from zeus_async.testing.procs import run_ranks
 
 SCRIPT = Path(__file__).with_name("plo_procs.py")
 M = PowerLimitMeasurement
@@ -946,39 +946,11 @@ def test_sigterm_restores_the_maximum_limit(tmp_path: Path) -> None:
     assert states[0] == "ready" and "profiling" in states and states[-1] == "restored"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.mark.slow
 def _run_ranks(*options: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """Two ``plo_procs.py rank`` processes over gloo; their JSON outputs, rank 0 first."""
     pytest.importorskip("torch")
-    env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT), "rank", *options],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=dict(env, RANK=str(rank)),
-        )
-        for rank in (0, 1)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=60)
-            assert proc.returncode == 0, err
-            outputs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    r0, r1 = sorted(outputs, key=lambda o: o["rank"])
+    outs = run_ranks([sys.executable, str(SCRIPT), "rank", *options], _env())
+    r0, r1 = (json.loads(out.strip().splitlines()[-1]) for out in outs)
     assert (r0["rank"], r1["rank"]) == (0, 1)
     return r0, r1
 
@@ -996,6 +968,7 @@ def _combined(limits: Sequence[int]) -> list[tuple[int, float, float]]:
 
 
 # Built before the process group (Lightning creates it in trainer.fit()) or after.
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["group-first", "group-after"])
 def test_two_ranks_over_gloo_combine_measurements(order: str, tmp_path: Path) -> None:
     profile = tmp_path / "profile.json"  # the same path on both ranks: one job profile
@@ -1019,6 +992,7 @@ def test_two_ranks_over_gloo_combine_measurements(order: str, tmp_path: Path) ->
     assert r0["profiling_steps"] == r1["profiling_steps"] == 3 * 5
 
 
+@pytest.mark.slow
 def test_a_rank_without_a_measurement_does_not_hang_the_others() -> None:
     # Rank 1 loses its measurement at 200 W: both ranks leave that limit out and agree.
     r0, r1 = _run_ranks("fail=1:200")

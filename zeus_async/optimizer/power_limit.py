@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import importlib
 import logging
 import math
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -47,7 +45,7 @@ import msgspec
 from .._exit import ClosedOnExit, SignalRestorer, call_at_exit
 from ..errors import ConfigError, NoPermissionError
 from ..events import OptimizerState
-from ..ranks import rank_path
+from ..ranks import Collectives, collectives, rank_path
 
 if TYPE_CHECKING:
     from ..aggregate.windows import WindowResult
@@ -431,7 +429,7 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
         self.adaptive: AdaptiveOptions | None = (
             AdaptiveOptions() if adaptive is True else adaptive or None
         )
-        self._dist: _Ranks | None = _distributed()
+        self._dist: Collectives | None = collectives()
         self._joined = False
         if self.adaptive is not None and self._dist is not None:
             raise ConfigError(
@@ -569,7 +567,7 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
         Face: with the ``TrainingArguments``). Counts every rank's GPUs for the default
         selector (one collective, once)."""
         if self._dist is None:
-            self._dist = _distributed()
+            self._dist = collectives()
             if self._dist is None:
                 return
         self._joined = True
@@ -943,71 +941,3 @@ def _load_profile(path: Path) -> list[PowerLimitMeasurement]:
     if not profile.measurements:
         raise ConfigError(f"the power-limit profile {path} holds no measurement")
     return profile.measurements
-
-
-def collective_device(backend: str, current_cuda_device: int | None) -> str:
-    """The device of the tensors a process group's collectives need: ``"cpu"`` when its
-    backend runs CPU collectives (gloo, MPI, UCC, or a mixed ``cpu:gloo,cuda:nccl``), else
-    ``"cuda:N"`` on this rank's current CUDA device (NCCL only: Hugging Face/accelerate's and
-    Lightning's groups on GPUs, which have no CPU collectives).
-
-    Raises:
-        ConfigError: An NCCL-only group on a rank without CUDA.
-    """
-    parts = [p.strip().lower() for p in backend.split(",") if p.strip()]
-    for part in parts:
-        device, _, name = part.rpartition(":")
-        if device in ("", "cpu") and name in ("gloo", "mpi", "ucc"):
-            return "cpu"
-    if current_cuda_device is None:
-        raise ConfigError(
-            f"the process group's backend {backend!r} has no CPU collectives and this rank "
-            "has no CUDA device"
-        )
-    return f"cuda:{current_cuda_device}"
-
-
-class _Ranks:
-    """The optimizer's collectives over ``torch.distributed``'s default group, with tensors on
-    the device its backend needs. Every rank calls each method at the same training step."""
-
-    def __init__(self, torch: Any, dist: Any) -> None:
-        self._torch = torch
-        self._dist = dist
-        cuda = torch.cuda.current_device() if torch.cuda.is_available() else None
-        self.device = torch.device(collective_device(str(dist.get_backend()), cuda))
-        self.world_size = int(dist.get_world_size())
-        self.rank = int(dist.get_rank())
-
-    def _reduce(self, values: list[float], op: str) -> list[float]:
-        tensor = self._torch.tensor(values, dtype=self._torch.float64, device=self.device)
-        self._dist.all_reduce(tensor, op=getattr(self._dist.ReduceOp, op))
-        return [float(v) for v in tensor.tolist()]
-
-    def combine(self, energy: float, elapsed: float, failed: bool) -> tuple[float, float, bool]:
-        """Energy summed, time the maximum, and whether any rank had no measurement."""
-        summed = self._reduce([0.0 if failed else energy, 1.0 if failed else 0.0], "SUM")
-        (longest,) = self._reduce([0.0 if failed else elapsed], "MAX")
-        return summed[0], longest, summed[1] > 0
-
-    def total(self, count: int) -> int:
-        """The sum of every rank's ``count``."""
-        return round(self._reduce([float(count)], "SUM")[0])
-
-
-def _distributed() -> _Ranks | None:
-    """With ``torch.distributed`` initialized (several ranks): the optimizer's collectives.
-
-    Looked up when the optimizer first steps and again when it combines, not only when it is
-    built: a framework may create its process group later (Lightning in ``trainer.fit()``).
-    """
-    if "torch" not in sys.modules:
-        return None  # torch.distributed cannot be initialized without torch imported
-    try:
-        torch: Any = importlib.import_module("torch")
-        dist: Any = importlib.import_module("torch.distributed")
-    except ImportError:
-        return None
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return None
-    return _Ranks(torch, dist)

@@ -3,7 +3,9 @@
 * :func:`sim_env` — the environment of a child process simulating a node;
 * :func:`start_node_agent` — ``zeus-async agent --backend sim``, started and ready;
 * :func:`start_restore_job` — :mod:`zeus_async.testing.restore_job` in its own process
-  group, started and holding its settings.
+  group, started and holding its settings;
+* :func:`run_ranks` — the ranks of a ``torch.distributed`` job (``env://`` rendezvous), run to
+  completion.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import IO, Any
 
 from ..devices.sim_config import SimConfig
 
-__all__ = ["sim_env", "start_node_agent", "start_restore_job"]
+__all__ = ["run_ranks", "sim_env", "start_node_agent", "start_restore_job"]
 
 #: The directory holding the ``zeus_async`` package (put on children's ``PYTHONPATH``).
 _SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
@@ -85,3 +87,43 @@ def start_restore_job(
         _, err = proc.communicate()
         raise RuntimeError(f"the restore job did not start: {line!r} {err or ''}")
     return proc, int(line.split()[1])
+
+
+def run_ranks(
+    argv: list[str], env: dict[str, str], *, world_size: int = 2, timeout: float = 60
+) -> list[str]:
+    """Run ``argv`` as each rank of a job (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``,
+    ``RANK``, ``LOCAL_RANK`` set, as torchrun sets them); the ranks' outputs, rank 0 first.
+
+    Raises:
+        RuntimeError: A rank failed (with its stderr); every rank is killed then.
+    """
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    job = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world_size))
+    procs = [
+        subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(job, RANK=str(rank), LOCAL_RANK=str(rank)),
+        )
+        for rank in range(world_size)
+    ]
+    outputs = []
+    try:
+        for rank, proc in enumerate(procs):
+            out, err = proc.communicate(timeout=timeout)
+            if proc.returncode != 0:
+                raise RuntimeError(f"rank {rank} exited with {proc.returncode}: {err}")
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return outputs
