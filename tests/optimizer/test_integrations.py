@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
 import sys
 import types
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import zeus_async.optimizer.hf as hf
 import zeus_async.optimizer.integrations as integrations
+import zeus_async.optimizer.lightning as lightning
 
+ROOT = str(Path(__file__).resolve().parents[2])
 HF_MODULES = ("transformers", "transformers.trainer_callback")
 LIGHTNING_MODULES = ("lightning", "lightning.pytorch", "pytorch_lightning")
 
@@ -68,11 +74,14 @@ def reload(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], types.Modul
     def do_reload() -> types.ModuleType:
         module = importlib.reload(integrations)
         monkeypatch.setattr(module, "GlobalPowerLimitOptimizer", Recorder)
+        importlib.reload(hf)  # each resolves its framework's base class at import
+        importlib.reload(lightning)
         return module
 
     yield do_reload
     monkeypatch.undo()
-    importlib.reload(integrations)
+    for module in (integrations, hf, lightning):
+        importlib.reload(module)
 
 
 def _without(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...]) -> None:
@@ -99,8 +108,11 @@ def test_hf_callback_forwards_hooks(
     )
     assert isinstance(cb, FakeTrainerCallback)
     assert cb.optimizer is Recorder.instances[-1]
-    assert cb.optimizer.args == (monitor, None)
+    # The optimizer's own arguments, by name (checked against its signature).
+    assert cb.optimizer.args == ()
     assert cb.optimizer.kwargs == {
+        "monitor": monitor,
+        "optimum_selector": None,
         "wait_steps": 2,
         "warmup_steps": 3,
         "profile_steps": 4,
@@ -124,21 +136,17 @@ def test_hf_callback_forwards_hooks(
     assert cb.optimizer.calls[-3:] == ["step", "epoch", "close"]
 
 
-def test_hf_callback_defaults_match_the_optimizer(
+def test_hf_callback_takes_the_optimizers_arguments(
     monkeypatch: pytest.MonkeyPatch, reload: Callable[[], types.ModuleType]
 ) -> None:
     _fake_transformers(monkeypatch)
     module = reload()
     cb = module.HFGlobalPowerLimitOptimizer("monitor")
-    assert cb.optimizer.kwargs == {
-        "wait_steps": 1,
-        "warmup_steps": 10,
-        "profile_steps": 40,
-        "pl_step": 25,
-        "profile_path": None,
-        "adaptive": False,
-        "restore_on_signals": True,
-    }
+    assert cb.optimizer.kwargs == {"monitor": "monitor"}  # its defaults are the optimizer's
+    with pytest.raises(TypeError, match="unexpected keyword argument 'warmup'"):
+        module.HFGlobalPowerLimitOptimizer("monitor", warmup=3)
+    with pytest.raises(TypeError, match="too many positional"):  # adaptive is keyword-only
+        module.HFGlobalPowerLimitOptimizer("monitor", None, 1, 10, 40, 25, None, True)
 
 
 @pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
@@ -152,8 +160,7 @@ def test_lightning_callback_forwards_hooks(
     module = reload()
     cb = module.LightningPowerLimitOptimizer("monitor", warmup_steps=2, profile_steps=8)
     assert isinstance(cb, FakeLightningCallback)
-    assert cb.optimizer.args == ("monitor", None)
-    assert cb.optimizer.kwargs["warmup_steps"] == 2 and cb.optimizer.kwargs["profile_steps"] == 8
+    assert cb.optimizer.kwargs == {"monitor": "monitor", "warmup_steps": 2, "profile_steps": 8}
     trainer, pl_module = object(), object()
     for i in range(2):
         cb.on_train_batch_start(trainer, pl_module, batch=[i], batch_idx=i)
@@ -179,7 +186,7 @@ def test_lightning_is_preferred_over_pytorch_lightning(
         sys.modules, "pytorch_lightning", _module("pytorch_lightning", Callback=Old)
     )
     module = reload()
-    assert module.LightningPowerLimitOptimizer.__mro__[1] is FakeLightningCallback
+    assert module.LightningPowerLimitOptimizer.__mro__[2] is FakeLightningCallback
 
 
 def test_module_imports_without_the_frameworks(
@@ -187,16 +194,20 @@ def test_module_imports_without_the_frameworks(
 ) -> None:
     _without(monkeypatch, HF_MODULES + LIGHTNING_MODULES)
     module = reload()
-    assert module.HFGlobalPowerLimitOptimizer.__mro__[1:] == (object,)
-    assert module.LightningPowerLimitOptimizer.__mro__[1:] == (object,)
+    shared = integrations.OptimizerCallback
+    assert module.HFGlobalPowerLimitOptimizer.__mro__[1:] == (shared, object)
+    assert module.LightningPowerLimitOptimizer.__mro__[1:] == (shared, object)
     with pytest.raises(
         ImportError,
-        match=r"^HFGlobalPowerLimitOptimizer needs transformers: pip install transformers$",
+        match=r"^HFGlobalPowerLimitOptimizer needs transformers: pip install 'zeus_async\[hf\]'$",
     ):
         module.HFGlobalPowerLimitOptimizer("monitor")
     with pytest.raises(
         ImportError,
-        match=r"^LightningPowerLimitOptimizer needs lightning: pip install lightning$",
+        match=(
+            r"^LightningPowerLimitOptimizer needs lightning: "
+            r"pip install 'zeus_async\[lightning\]'$"
+        ),
     ):
         module.LightningPowerLimitOptimizer("monitor", adaptive=True)
     assert Recorder.instances == []  # no optimizer (no power-limit change) was made
@@ -221,6 +232,33 @@ def test_module_is_restored_after_the_fakes() -> None:
     for name in HF_MODULES + LIGHTNING_MODULES:  # no fake left behind (fakes have no file)
         module = sys.modules.get(name)
         assert module is None or getattr(module, "__file__", None) is not None
-    base = integrations.HFGlobalPowerLimitOptimizer.__mro__[1]
+    base = integrations.HFGlobalPowerLimitOptimizer.__mro__[2]
     assert base is not FakeTrainerCallback
     assert integrations.GlobalPowerLimitOptimizer is not Recorder
+
+
+FAKE_FRAMEWORK = "raise SystemExit(3)  # imported: the test fails\n"
+
+
+@pytest.mark.parametrize(
+    ("code", "imported"),
+    [
+        ("import zeus_async.optimizer.integrations, zeus_async.optimizer", None),
+        ("from zeus_async.optimizer.integrations import HFGlobalPowerLimitOptimizer", "hf"),
+        ("from zeus_async.optimizer.lightning import LightningPowerLimitOptimizer", "lightning"),
+    ],
+)
+def test_frameworks_are_imported_only_by_their_own_callback(
+    tmp_path: Path, code: str, imported: str | None
+) -> None:
+    # Fake frameworks that end the process when imported: importing zeus_async's optimizer
+    # modules must not touch them (transformers and Lightning take 10 s to import), and a
+    # callback's module touches its own framework only.
+    for name in ("transformers", "lightning", "pytorch_lightning"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(FAKE_FRAMEWORK)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == (0 if imported is None else 3), proc.stderr

@@ -1,0 +1,53 @@
+"""The PyTorch Lightning ``Callback`` of the power-limit optimizer (imports Lightning).
+
+``pip install 'zeus_async[lightning]'``; see :mod:`zeus_async.optimizer.integrations`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from . import integrations
+
+__all__ = ["LightningPowerLimitOptimizer"]
+
+logger = logging.getLogger(__name__)
+
+#: The framework's callback class, resolved at import (``object`` when not available).
+_Base, _base_error = integrations.base_class(("lightning.pytorch", "pytorch_lightning"), "Callback")
+
+
+class LightningPowerLimitOptimizer(integrations.OptimizerCallback, _Base):  # type: ignore[misc,valid-type]
+    """A PyTorch Lightning ``Callback`` finding and applying the optimal GPU power limit.
+
+    Takes the arguments of :class:`~.power_limit.GlobalPowerLimitOptimizer`, which it wraps
+    (``.optimizer``): ``on_train_batch_start`` is a step, ``on_train_epoch_end`` an epoch's
+    end, and ``on_train_end`` or ``on_exception`` restore the maximum power limit
+    (``optimizer.close()``). Each rank of a distributed run has its own callback.
+
+    Raises:
+        ImportError: Neither ``lightning`` nor ``pytorch_lightning`` is installed.
+        ValueError, NoPermissionError, ConfigError: As the wrapped optimizer.
+    """
+
+    _missing = "" if _base_error is None else integrations.LIGHTNING_MISSING
+    _missing_error = _base_error
+
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """The start of a training step."""
+        self.optimizer.on_step_begin()
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        """The end of a training epoch."""
+        self.optimizer.on_epoch_end()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """The end of training: restore the maximum power limit."""
+        self.optimizer.close()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """Training failed: restore the maximum power limit."""
+        self.optimizer.close()
