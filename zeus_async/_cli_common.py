@@ -27,16 +27,27 @@ logger = logging.getLogger(__name__)
 
 #: Set on the first SIGINT/SIGTERM while a command runs under :func:`run_command`.
 _stop_requested: ContextVar[anyio.Event | None] = ContextVar("_stop_requested", default=None)
+#: The number of that signal (one slot, filled by the watcher).
+_stop_signal: ContextVar[list[int] | None] = ContextVar("_stop_signal", default=None)
 
 
-async def _watch_signals(stop: anyio.Event, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+async def _watch_signals(
+    stop: anyio.Event, received: list[int], *, task_status: anyio.abc.TaskStatus[None]
+) -> None:
     """Set ``stop`` on the first SIGINT or SIGTERM, then give the handlers back (a second
     Ctrl-C interrupts as usual)."""
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         task_status.started()
-        async for _ in signals:
+        async for signum in signals:
+            received.append(int(signum))
             stop.set()
             return
+
+
+def stop_signal() -> int | None:
+    """The signal that stopped the running command (SIGINT, SIGTERM), if one did."""
+    received = _stop_signal.get()
+    return received[0] if received else None
 
 
 async def run_command(
@@ -51,12 +62,14 @@ async def run_command(
     command cleanly rather than interrupt it with exit status 130.
     """
     stop = anyio.Event()
+    received: list[int] = []
     token = _stop_requested.set(stop)
+    signal_token = _stop_signal.set(received)
     error: BaseException | None = None
     code = 1
     try:
         async with anyio.create_task_group() as tg:
-            await tg.start(_watch_signals, stop)
+            await tg.start(_watch_signals, stop, received)
             try:
                 code = await command(args, out)
             except anyio.get_cancelled_exc_class():
@@ -66,6 +79,7 @@ async def run_command(
             tg.cancel_scope.cancel()
     finally:
         _stop_requested.reset(token)
+        _stop_signal.reset(signal_token)
     if error is not None:
         raise error
     return code

@@ -26,6 +26,10 @@ def _pid(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a process id, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"process ids are positive, got {text!r}")
+    import psutil
+
+    if not psutil.pid_exists(value):
+        raise argparse.ArgumentTypeError(f"no process {value} is running")
     return value
 
 

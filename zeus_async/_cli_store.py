@@ -49,7 +49,32 @@ def _speed(text: str) -> float | None:
         ) from None
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive factor or 'max', got {text!r}")
+    if value < MIN_SPEED:
+        raise argparse.ArgumentTypeError(
+            f"a pace of {text}x is below the {MIN_SPEED:g}x minimum (1 s of the recording "
+            f"would take {1 / value:.3g} s)"
+        )
     return value
+
+
+#: The smallest rotation size (MB): the recorder's 4096-byte minimum.
+MIN_ROTATE_MB = 4096 / 1e6
+
+
+def _rotate_mb(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size in MB, got {text!r}") from None
+    if not value >= MIN_ROTATE_MB or value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"a part of {text} MB is below the {MIN_ROTATE_MB:g} MB (4096-byte) minimum"
+        )
+    return value
+
+
+#: The slowest replay pace the CLI accepts: 1 s of the recording in 1,000 s.
+MIN_SPEED = 0.001
 
 
 def add_parsers(sub: Any, positive_float: Callable[[str], float]) -> None:
@@ -89,7 +114,12 @@ def add_parsers(sub: Any, positive_float: Callable[[str], float]) -> None:
     rec.add_argument("--topic", action="append", default=None, help="topic prefix (repeatable)")
     rec.add_argument("--duration", type=positive_float, default=None, help="stop after S s")
     rec.add_argument("--count", type=positive_int, default=None, help="stop after N events")
-    rec.add_argument("--rotate-mb", type=positive_float, default=None, help="rotate at this size")
+    rec.add_argument(
+        "--rotate-mb",
+        type=_rotate_mb,
+        default=None,
+        help="start a new part at this size (MB, >= 0.004096)",
+    )
     rec.add_argument(
         "--wait", type=positive_float, default=10.0, help="give up if no publisher answers (s)"
     )

@@ -31,12 +31,13 @@ from typing import Any, TextIO
 import anyio
 import msgspec
 
-from . import _cli_pfo, _cli_processes, _cli_store
+from . import __version__, _cli_pfo, _cli_processes, _cli_store
 from ._cli_common import (
     Interrupted,
     positive_int,
     report_streams,
     run_command,
+    stop_signal,
     stop_when_streams_end,
     streams_ended,
     until_stopped,
@@ -66,6 +67,8 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers like 0,1 — got {text!r}"
         ) from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one index, like 0 or 0,1")
     if any(v < 0 for v in values):
         raise argparse.ArgumentTypeError(f"indices must be >= 0, got {text!r}")
     return values
@@ -95,6 +98,19 @@ def _period(text: str) -> float:
     return value
 
 
+#: The fastest table refresh the CLI accepts (s): faster flickers, and costs CPU for nothing.
+MIN_REFRESH_S = 0.05
+
+
+def _refresh(text: str) -> float:
+    value = _positive_float(text)
+    if value < MIN_REFRESH_S:
+        raise argparse.ArgumentTypeError(
+            f"a refresh of {text} s is below the {MIN_REFRESH_S:g} s minimum"
+        )
+    return value
+
+
 def _sim_config(text: str | None) -> Any:
     if text is None:
         return None
@@ -113,6 +129,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Measure and optimize the energy of GPU work.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    parser.add_argument("--version", action="version", version=f"zeus-async {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     mon = sub.add_parser("monitor", help="live per-GPU power/energy table")
@@ -129,7 +146,7 @@ def _build_parser() -> argparse.ArgumentParser:
     mon.add_argument("--record", metavar="FILE", help="also record every event to FILE")
     mon.add_argument("--force", action="store_true", help="overwrite an existing --record file")
     mon.add_argument("--duration", type=_positive_float, default=None, help="stop after S s")
-    mon.add_argument("--refresh", type=_positive_float, default=0.5, help="table refresh (s)")
+    mon.add_argument("--refresh", type=_refresh, default=0.5, help="table refresh (s, >= 0.05)")
     mon.add_argument("--sim-config", default=None, help="simulator config: JSON text or file")
     mon.add_argument(
         "--prometheus-port", type=int, default=None, help="also serve metrics to Prometheus"
@@ -184,6 +201,14 @@ def _build_parser() -> argparse.ArgumentParser:
     _cli_store.add_parsers(sub, _positive_float)
     _cli_processes.add_exporter_parser(sub, _positive_float, _int_list)
     _cli_pfo.add_parsers(sub, _positive_float)
+    helps = {action.dest: action.help for action in sub._choices_actions}
+    for name, command in sub.choices.items():
+        # -v after the command too (`zeus-async monitor -v`), counted with one before it.
+        command.add_argument(
+            "-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more logging"
+        )
+        if command.description is None and helps.get(name):
+            command.description = f"{str(helps[name])[0].upper()}{str(helps[name])[1:]}."
     return parser
 
 
@@ -319,6 +344,11 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
                     if child is not None and exited.is_set():
                         code = child.returncode
                         break
+            signum = stop_signal()
+            if child is not None and not exited.is_set() and signum is not None:
+                # Interrupted with the command still running: the status of a shell whose
+                # command was killed by that signal (130 for Ctrl-C), not success.
+                code = 128 + signum
     finally:
         if child is not None and child.poll() is None:
             child.terminate()
@@ -353,7 +383,8 @@ def format_event(event: Event) -> str:
         devices = data.pop("devices", [])
         data["devices"] = ",".join(str(d.get("key")) for d in devices) or "none"
         data.pop("argv", None)
-    parts = [f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in data.items()]
+    # Floats as their shortest exact text: counters such as energy_j (~1e7 J) keep their mJ.
+    parts = [f"{k}={v!r}" if isinstance(v, float) else f"{k}={v}" for k, v in data.items()]
     return f"{kind:<12}{host} " + " ".join(p for p in parts if not p.endswith("=None"))
 
 

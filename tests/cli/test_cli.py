@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 
@@ -59,13 +60,20 @@ def test_monitor_with_adaptive_reads() -> None:
         (["proxy", "--out", "tcp://127.0.0.1:1"], "required"),
         (["subscribe", "tcp://127.0.0.1:1", "--count", "0"], "whole number >= 1"),
         (["record", "tcp://127.0.0.1:1", "-o", "x.zarc", "--count", "-1"], "whole number >= 1"),
-        (["record", "tcp://127.0.0.1:1", "-o", "x.zarc", "--rotate-mb", "0"], "positive number"),
+        (["record", "tcp://127.0.0.1:1", "-o", "x.zarc", "--rotate-mb", "0"], "4096-byte"),
+        # Refused at once, in the option's unit (it was refused in bytes, after waiting for a
+        # publisher).
+        (["record", "tcp://127.0.0.1:1", "-o", "x.zarc", "--rotate-mb", "0.001"], "0.001 MB"),
         (["inspect", "x.zarc", "--windows", "-2"], "whole number >= 0"),
         (["monitor", "--period", "1e-9"], "below the 1 ms minimum"),
         (["agent", "--period", "0"], "positive number"),
         (["agent", "--period", "0.0001"], "below the 1 ms minimum"),
         (["agent", "--exit-when-idle", "-1"], "positive number"),
         (["agent", "--backend", "rocm"], "invalid choice"),
+        (["monitor", "--gpus", ""], "expected at least one index"),
+        (["monitor", "--pid", "999999999"], "no process 999999999 is running"),
+        (["monitor", "--refresh", "1e-6"], "below the 0.05 s minimum"),
+        (["replay", "x.zarc", "--speed", "1e-9"], "below the 0.001x minimum"),
     ],
 )
 def test_bad_arguments_give_one_clear_line(args: list[str], message: str) -> None:
@@ -259,3 +267,27 @@ def test_ctrl_c_while_waiting_for_a_publisher_says_so() -> None:
 async def _set_soon(event: anyio.Event) -> None:
     await anyio.sleep(0.05)
     event.set()
+
+
+def test_version_verbosity_anywhere_and_a_description_for_every_command() -> None:
+    from zeus_async import __version__
+    from zeus_async.cli import _build_parser
+
+    proc = run_cli("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"zeus-async {__version__}"
+    # -v after the command works as before it.
+    proc = run_cli("monitor", "--backend", "sim", "--duration", "0.3", "-v")
+    assert proc.returncode == 0 and "INFO " in proc.stderr, proc.stderr
+    parser = _build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert len(commands.choices) >= 10
+    for name, command in commands.choices.items():
+        assert command.description, f"`zeus-async {name} --help` has no description"
+
+
+def test_subscribe_text_keeps_counters_exact() -> None:
+    from zeus_async.cli import format_event
+    from zeus_async.events import GpuSample
+
+    line = format_event(GpuSample("h", 0, 0, power_w=301.25, energy_j=27000123.456))
+    assert "energy_j=27000123.456" in line and "power_w=301.25" in line

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 import urllib.error
@@ -116,3 +117,21 @@ def test_exporter_port_in_use_is_one_line() -> None:
 def test_bad_pid_is_a_usage_error() -> None:
     proc = run_cli("monitor", "--pid", "-4")
     assert proc.returncode == 2 and "process ids are positive" in proc.stderr
+
+
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_monitor_interrupted_with_its_command_running_exits_with_the_signal_status(
+    signum: int, status: int
+) -> None:
+    # As a shell reports a command killed by the signal: a job script sees it did not finish.
+    proc = popen(
+        "monitor", "--backend", "sim", "--cpus", "none", "--refresh", "0.2",
+        "--", sys.executable, "-c", "import time; time.sleep(60)",
+    )  # fmt: skip
+    assert proc.stdout is not None
+    assert "running" in proc.stdout.readline()
+    time.sleep(0.5)
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == status, err
+    assert "Totals" in out  # still a clean stop: the totals are printed
