@@ -24,7 +24,7 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -84,31 +84,27 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _seconds_at_least(what: str, minimum: float, shown: str) -> Callable[[str], float]:
+    """argparse type: a positive number of seconds, at least ``minimum`` (``shown`` in the
+    message: ``1 ms``, ``0.05 s``)."""
+
+    def parse(text: str) -> float:
+        value = _positive_float(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"a {what} of {text} s is below the {shown} minimum")
+        return value
+
+    return parse
+
+
 #: The shortest sampling period the CLI accepts (s): one NVML read takes tens of µs, and
 #: the driver refreshes power every few ms at best.
 MIN_PERIOD_S = 0.001
-
-
-def _period(text: str) -> float:
-    value = _positive_float(text)
-    if value < MIN_PERIOD_S:
-        raise argparse.ArgumentTypeError(
-            f"a sampling period of {text} s is below the {MIN_PERIOD_S * 1e3:g} ms minimum"
-        )
-    return value
-
+_period = _seconds_at_least("sampling period", MIN_PERIOD_S, "1 ms")
 
 #: The fastest table refresh the CLI accepts (s): faster flickers, and costs CPU for nothing.
 MIN_REFRESH_S = 0.05
-
-
-def _refresh(text: str) -> float:
-    value = _positive_float(text)
-    if value < MIN_REFRESH_S:
-        raise argparse.ArgumentTypeError(
-            f"a refresh of {text} s is below the {MIN_REFRESH_S:g} s minimum"
-        )
-    return value
+_refresh = _seconds_at_least("refresh", MIN_REFRESH_S, "0.05 s")
 
 
 def _sim_config(text: str | None) -> Any:
