@@ -24,6 +24,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -142,7 +143,15 @@ def _build_parser() -> argparse.ArgumentParser:
     mon.add_argument("--record", metavar="FILE", help="also record every event to FILE")
     mon.add_argument("--force", action="store_true", help="overwrite an existing --record file")
     mon.add_argument("--duration", type=_positive_float, default=None, help="stop after S s")
-    mon.add_argument("--refresh", type=_refresh, default=0.5, help="table refresh (s, >= 0.05)")
+    mon.add_argument(
+        "--refresh",
+        type=_refresh,
+        default=0.5,
+        help="table refresh (s, >= 0.05); one line per refresh when the output is not a terminal",
+    )
+    mon.add_argument(
+        "-q", "--quiet", action="store_true", help="no live view: the totals at the end only"
+    )
     mon.add_argument("--sim-config", default=None, help="simulator config: JSON text or file")
     mon.add_argument(
         "--prometheus-port", type=int, default=None, help="also serve metrics to Prometheus"
@@ -209,6 +218,23 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 # -- monitor ------------------------------------------------------------------------------------
+
+
+def render_line(totals: LiveTotals, elapsed_s: float) -> str:
+    """One line of the live view, for output that is not a terminal (a log, a pipe): the time
+    since the start, then each device's power and energy so far, then the GPUs' energy."""
+    cells = [f"{elapsed_s:.1f} s"]
+    total_gpu = 0.0
+    for key, t in totals.devices.items():
+        energy = t.energy_j
+        if energy is not None and key.startswith("gpu:"):
+            total_gpu += energy
+        cells.append(
+            f"{key} {_fmt(t.last.get('power_w'), digits=0)} W {_fmt(energy, digits=1)} J"
+            + (f" FAULT:{t.fault}" if t.fault else "")
+        )
+    cells.append(f"all GPUs {total_gpu:.1f} J")
+    return "  ".join(cells)
 
 
 def render_table(totals: LiveTotals) -> list[str]:
@@ -321,22 +347,29 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
             async with until_stopped(args.duration) as tg:
                 if child is not None:
                     tg.start_soon(_watch_child, child, exited)
+                started = time.monotonic()
                 while True:
                     # The table is redrawn every --refresh s, and at once when the command exits:
                     # the totals then end with it, not up to one refresh later.
                     with anyio.move_on_after(args.refresh):
                         await exited.wait()
-                    lines = render_table(totals)
-                    table = processes.lines()
-                    if table:
-                        lines += ["", *table]
-                    if tty and drawn:
-                        out.write(f"\x1b[{drawn}F\x1b[J")
-                    out.write("\n".join(lines) + "\n")
-                    if not tty:
-                        out.write("\n")
-                    out.flush()
-                    drawn = len(lines)
+                    if args.quiet:
+                        pass
+                    elif not tty:
+                        # A log or a pipe: one line per interval, not a table redrawn.
+                        elapsed = time.monotonic() - started
+                        out.write(render_line(totals, elapsed) + "\n")
+                        out.flush()
+                    else:
+                        lines = render_table(totals)
+                        table = processes.lines()
+                        if table:
+                            lines += ["", *table]
+                        if drawn:
+                            out.write(f"\x1b[{drawn}F\x1b[J")
+                        out.write("\n".join(lines) + "\n")
+                        out.flush()
+                        drawn = len(lines)
                     if child is not None and exited.is_set():
                         code = child.returncode
                         break

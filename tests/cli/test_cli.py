@@ -151,9 +151,10 @@ def test_ctrl_c_prints_totals() -> None:
 
     proc = popen("monitor", "--backend", "sim", "--refresh", "0.2")
     assert proc.stdout is not None
-    # Wait until the table is live (first refresh printed), then interrupt.
+    # Wait until the view is live (first refresh printed: one line, not a terminal), then
+    # interrupt.
     for line in proc.stdout:
-        if line.startswith("gpu:3"):
+        if "gpu:3" in line:
             break
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
@@ -291,3 +292,19 @@ def test_subscribe_text_keeps_counters_exact() -> None:
 
     line = format_event(GpuSample("h", 0, 0, power_w=301.25, energy_j=27000123.456))
     assert "energy_j=27000123.456" in line and "power_w=301.25" in line
+
+
+def test_monitor_into_a_log_writes_one_line_per_refresh_and_quiet_writes_none() -> None:
+    # Not a terminal: a line per refresh (a table per refresh made 1.7 M lines a day).
+    proc = run_cli("monitor", "--backend", "sim", "--duration", "1.3", "--refresh", "0.4")
+    assert proc.returncode == 0, proc.stderr
+    live = proc.stdout.split("Totals")[0].strip().splitlines()[1:]
+    assert 2 <= len(live) <= 4, live
+    for line in live:
+        assert line.split("  ")[0].endswith(" s") and "gpu:3 " in line and "all GPUs" in line
+    assert "power W" not in proc.stdout.split("Totals")[0]  # no table header
+    quiet = run_cli("monitor", "--backend", "sim", "--duration", "0.5", "--quiet")
+    assert quiet.returncode == 0, quiet.stderr
+    before, totals = quiet.stdout.split("Totals")
+    assert before.strip().splitlines() == [before.strip().splitlines()[0]]  # the start line
+    assert "gpu:0" in totals
