@@ -431,6 +431,7 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
         )
         self._dist: Collectives | None = collectives()
         self._joined = False
+        self._looked = False
         if self.adaptive is not None and self._dist is not None:
             raise ConfigError(
                 "adaptive profiling is single-process for now: its early decisions are not "
@@ -509,7 +510,10 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
         state = self.state
         if type(state) is Done:
             return
-        if not self._joined:
+        if not self._looked:
+            # Once, at the first step (then again only when a limit is combined): not on
+            # every step of a single-process run, where no group ever appears.
+            self._looked = True
             self._join_ranks()
         if type(state) is Ready:
             state.steps -= 1
