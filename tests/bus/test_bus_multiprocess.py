@@ -110,6 +110,25 @@ def test_slow_subscriber_reports_exactly_what_was_lost(topic: str, tmp_path: Pat
     assert sent["events_sent"] >= flood_events + k + 1
 
 
+def _flood_to_the_end(
+    published: str, subscribed: str, *topics: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A ``pub-end`` publisher on ``published`` floods and closes; a slow ``sub-end``
+    subscriber (``topics``) on ``subscribed`` reads to the end: what each said."""
+    pub = Proc("pub-end", published, str(FLOOD_FRAMES), str(BATCH))
+    sub = None
+    try:
+        assert pub.readline() == "bound"
+        sub = Proc("sub-end", subscribed, *topics)
+        assert sub.readline() == "ready"
+        pub.send("go")
+        return pub.json(), sub.json()
+    finally:
+        pub.close()
+        if sub is not None:
+            sub.close()
+
+
 @pytest.mark.parametrize("topics", ["", "gpu/,stream/"], ids=["all-topics", "topic-filtered"])
 def test_loss_at_the_tail_is_counted(topics: str, tmp_path: Path) -> None:
     # The publisher floods a slow subscriber and closes: frames lost after the last one the
@@ -119,19 +138,7 @@ def test_loss_at_the_tail_is_counted(topics: str, tmp_path: Path) -> None:
     endpoint = f"ipc://{tmp_path}/end.sock"
     if len(endpoint) > 100:
         endpoint = f"ipc:///tmp/zb-end-{os.getpid()}.sock"
-    pub = Proc("pub-end", endpoint, str(FLOOD_FRAMES), str(BATCH))
-    sub = None
-    try:
-        assert pub.readline() == "bound"
-        sub = Proc("sub-end", endpoint, topics)
-        assert sub.readline() == "ready"
-        pub.send("go")
-        sent = pub.json()
-        got = sub.json()
-    finally:
-        pub.close()
-        if sub is not None:
-            sub.close()
+    sent, got = _flood_to_the_end(endpoint, endpoint, topics)
     assert got["finished"], got
     assert got["final_seq"] == sent["frames_sent"] - 1  # the FINAL is the stream's last frame
     assert got["frames_lost"] > 0, "the slow subscriber should have lost frames"
@@ -157,21 +164,11 @@ def test_loss_at_the_tail_is_counted_through_a_proxy(tmp_path: Path) -> None:
     if len(downstream) > 100:
         upstream = f"ipc:///tmp/zb-up-{os.getpid()}.sock"
         downstream = f"ipc:///tmp/zb-down-{os.getpid()}.sock"
-    pub = Proc("pub-end", upstream, str(FLOOD_FRAMES), str(BATCH))
     proxy = Proc("proxy", upstream, downstream, "2")  # the proxy's queues hold 2 frames too
-    sub = None
     try:
-        assert pub.readline() == "bound"
         assert proxy.readline() == "bound"
-        sub = Proc("sub-end", downstream)
-        assert sub.readline() == "ready"  # the handshake went through the proxy
-        pub.send("go")
-        sent = pub.json()
-        got = sub.json()
+        sent, got = _flood_to_the_end(upstream, downstream)  # the handshake goes through it
     finally:
-        pub.close()
-        if sub is not None:
-            sub.close()
         proxy.close()
     assert got["finished"], got
     assert got["final_seq"] == sent["frames_sent"] - 1

@@ -186,23 +186,30 @@ def test_measurements_in_the_committed_file_are_complete(recordings: Path) -> No
     assert all(set(m.gpu_energy_j) == {0, 1} for m in ms)
 
 
-def test_record_and_subscribe_end_with_the_stream(tmp_path: Path) -> None:
-    port = free_port()
-    endpoint = f"tcp://127.0.0.1:{port}"
+@contextmanager
+def _publishing_monitor() -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """A ``monitor`` publishing one simulated GPU, started; killed at the end if still
+    running. Yields it and its endpoint."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     mon = popen("monitor", "--backend", "sim", "--gpus", "0", "--publish", endpoint)
     try:
         assert mon.stdout is not None
         assert "Ctrl-C to stop" in mon.stdout.readline()
+        yield mon, endpoint
+    finally:
+        if mon.poll() is None:
+            mon.kill()
+        mon.communicate(timeout=30)
+
+
+def test_record_and_subscribe_end_with_the_stream(tmp_path: Path) -> None:
+    with _publishing_monitor() as (mon, endpoint):
         rec = popen("record", endpoint, "-o", str(tmp_path / "r.zarc"), "--until-end")
         sub = popen("subscribe", endpoint, "--until-end")
         time.sleep(2.0)
         mon.terminate()  # the stream ends: both stop by themselves
         rec_out, rec_err = rec.communicate(timeout=30)
         sub_out, sub_err = sub.communicate(timeout=30)
-    finally:
-        if mon.poll() is None:
-            mon.kill()
-        mon.communicate(timeout=30)
     assert rec.returncode == 0 and sub.returncode == 0, (rec_err, sub_err)
     assert "0 frame(s) lost on the bus" in rec_out
     # Ended with its FINAL: nothing to say about tails (no line unless something was lost).
@@ -217,11 +224,7 @@ def test_record_and_subscribe_end_with_the_stream(tmp_path: Path) -> None:
 def test_a_stream_killed_without_its_end_has_an_unknown_tail(tmp_path: Path) -> None:
     # SIGKILL: no FINAL. Neither subscribe nor record may call the stream complete ("0 lost"),
     # nor wait for its end forever.
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    mon = popen("monitor", "--backend", "sim", "--gpus", "0", "--publish", endpoint)
-    try:
-        assert mon.stdout is not None
-        assert "Ctrl-C to stop" in mon.stdout.readline()
+    with _publishing_monitor() as (mon, endpoint):
         # --until-end: a stream that goes silent without its end ends the wait too.
         sub = popen("subscribe", endpoint, "--until-end")
         rec = popen("record", endpoint, "-o", str(tmp_path / "r.zarc"), "--until-end")
@@ -232,10 +235,6 @@ def test_a_stream_killed_without_its_end_has_an_unknown_tail(tmp_path: Path) -> 
         mon.kill()
         sub_out, sub_err = sub.communicate(timeout=30)
         _, rec_err = rec.communicate(timeout=30)
-    finally:
-        if mon.poll() is None:
-            mon.kill()
-        mon.communicate(timeout=30)
     assert sub.returncode == 0 and rec.returncode == 0, (sub_err, rec_err)
     assert sum(line.startswith("gpu ") for line in sub_out.splitlines()) > 10
     for err in (sub_err, rec_err):

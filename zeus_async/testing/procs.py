@@ -39,6 +39,26 @@ def sim_env(config: SimConfig, **extra: str) -> dict[str, str]:
     )
 
 
+def _started(
+    argv: list[str], env: dict[str, str], stderr: _Stderr, ready: str, what: str, **popen: Any
+) -> tuple[subprocess.Popen[str], str]:
+    """``argv`` started, once its first line of output begins with ``ready``; and that line.
+
+    Raises:
+        RuntimeError: It exited or printed something else first (with its stderr).
+    """
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, **popen
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith(ready):
+        proc.kill()
+        _, err = proc.communicate()
+        raise RuntimeError(f"{what} did not start: {line!r} {err or ''}")
+    return proc, line
+
+
 def start_node_agent(
     env: dict[str, str], *args: str, stderr: _Stderr = subprocess.PIPE
 ) -> subprocess.Popen[str]:
@@ -47,20 +67,8 @@ def start_node_agent(
     Raises:
         RuntimeError: It exited or printed something else first (with its stderr).
     """
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "zeus_async", "agent", "--backend", "sim", *args],
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-        env=env,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith("agent ready"):
-        proc.kill()
-        _, err = proc.communicate()
-        raise RuntimeError(f"the node agent did not start: {line!r} {err or ''}")
-    return proc
+    argv = [sys.executable, "-m", "zeus_async", "agent", "--backend", "sim", *args]
+    return _started(argv, env, stderr, "agent ready", "the node agent")[0]
 
 
 def start_restore_job(
@@ -72,20 +80,8 @@ def start_restore_job(
     Raises:
         RuntimeError: It exited or printed something else first (with its stderr).
     """
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "zeus_async.testing.restore_job", *args],
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith("capped"):
-        proc.kill()
-        _, err = proc.communicate()
-        raise RuntimeError(f"the restore job did not start: {line!r} {err or ''}")
+    argv = [sys.executable, "-m", "zeus_async.testing.restore_job", *args]
+    proc, line = _started(argv, env, stderr, "capped", "the restore job", start_new_session=True)
     return proc, int(line.split()[1])
 
 
