@@ -61,8 +61,10 @@ def main() -> None:
             results.append(w.result)
         elapsed = time.perf_counter() - t0
         total = monitor.end_window("training")
-        # Energy figures resolve shortly after each window ends; reading them waits if needed.
-        per_step = [r.total_energy for r in results if r is not None]
+        # Read now, a window's figures are provisional (from the latest power readings) until
+        # the exact, counter-based ones arrive ~0.1 s after its end; closing the monitor
+        # waits for those, so below they are exact.
+    per_step = [r.total_energy for r in results if r is not None]
     print(f"trained in {elapsed:.2f} s ({elapsed / args.steps * 1e3:.2f} ms/step)")
     gpus = sum(total.gpu_energy.values())
     print(

@@ -406,3 +406,57 @@ def test_pop_window_follows_the_callers_gpu_order() -> None:
         busy, idle = mon.pop_window().energy
     sim_pynvml.uninstall()
     assert busy > 2 * idle > 0
+
+
+# -- results at once: provisional figures from the power board, refined to the exact ones --
+
+
+def test_energy_is_there_at_once_then_exact(monitor: Monitor) -> None:
+    node = SimNode(CONFIG)
+    monitor.begin_window("w")
+    time.sleep(0.05)
+    result = monitor.end_window("w")
+    # Read at once: provisional figures, never waiting for the sampler.
+    assert not result.done()
+    assert result.provisional
+    energy = result.gpu_energy
+    assert not result.done()  # reading did not wait
+    assert set(energy) == {0, 1}
+    for gpu in (0, 1):
+        truth = node.truth_energy_j(gpu, result.start_ns, result.end_ns)
+        # Constant power: the readings give it within what the sensor's refresh allows.
+        assert energy[gpu] == pytest.approx(truth, rel=0.25)
+        assert result.methods[f"gpu:{gpu}"].startswith("integrated")
+        assert result.error_j[f"gpu:{gpu}"] >= 0
+    # The exact figures when asked for; the attributes follow them from then on.
+    m = result.wait(timeout=5)
+    assert not result.provisional
+    assert result.gpu_energy == m.gpu_energy_j
+    assert all(v.startswith("counter+interpolated") for v in result.methods.values())
+    assert set(m.error_j) == {"gpu:0", "gpu:1"}
+
+
+def test_pop_window_returns_at_once_and_exact_waits(monitor: Monitor) -> None:
+    monitor.push_window()
+    time.sleep(0.03)
+    res = monitor.pop_window()
+    t, energy = res  # unpacks like Zeus's (time, energy) tuple
+    assert (t, energy) == (res.time, res.energy) == (res[0], res[1]) and len(res) == 2
+    assert res.provisional and all(e > 0 for e in energy)
+    assert "provisional" in repr(res)
+    exact = res.exact(timeout=5)
+    assert not exact.provisional and exact.time == t
+    assert exact.energy == [res.window.gpu_energy[g] for g in monitor.gpu_indices]
+    monitor.push_window()
+    time.sleep(0.03)
+    waited = monitor.pop_window(exact=True)
+    assert not waited.provisional and waited.window is not None and waited.window.done()
+
+
+def test_close_waits_for_the_exact_figures_of_closed_windows(monitor: Monitor) -> None:
+    monitor.begin_window("last")
+    time.sleep(0.03)
+    result = monitor.end_window("last")
+    monitor.close()  # right after the window: its data had not come yet
+    assert result.done()
+    assert all(v.startswith("counter+interpolated") for v in result.methods.values())

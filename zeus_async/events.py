@@ -206,6 +206,9 @@ class Measurement(msgspec.Struct, tag="measurement", **_OPTS):
     dram_energy_j: dict[int, float] | None = None
     methods: dict[str, str] = msgspec.field(default_factory=dict)
     lost: list[str] = msgspec.field(default_factory=list)
+    #: Per device key, what the data around the window's edges leaves uncertain (J; see
+    #: ``docs/energy-methods.md``). Absent in recordings made before it existed.
+    error_j: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class PowerLimitChange(msgspec.Struct, tag="power_limit", **_OPTS):

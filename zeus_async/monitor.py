@@ -8,7 +8,8 @@ The replacement for Zeus's ``ZeusMonitor`` and ``ZeusProfilingService``::
     monitor.begin_window("epoch")
     train_one_epoch()
     m = monitor.end_window("epoch")          # returns at once
-    print(m.time, m.gpu_energy, m.total_energy)   # energies resolve within ~0.1-0.5 s
+    print(m.time, m.gpu_energy, m.total_energy)   # at once: provisional until exact (~0.1 s)
+    m.wait()                                 # the exact, counter-based figures
 
     with monitor.window("step") as w:        # or as a context manager
         step()
@@ -39,7 +40,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, cast
+from typing import Any, Literal, cast
 
 import aiofiles
 import anyio
@@ -65,11 +66,65 @@ logger = logging.getLogger(__name__)
 _Setting = Literal["power_limit", "sm_clocks"]
 
 
-class ProfilingResult(NamedTuple):
-    """Result of :meth:`Monitor.pop_window`: seconds, and joules per GPU in index order."""
+class ProfilingResult:
+    """Result of :meth:`Monitor.pop_window`: seconds, and joules per GPU in the monitor's GPU
+    order; unpacks and indexes like the ``(time, energy)`` tuple Zeus returns.
 
-    time: float
-    energy: list[float]
+    The energies are provisional when :attr:`provisional` is true (the exact, counter-based
+    figures come ~0.1 s after the window's end); :meth:`exact` waits for those.
+    """
+
+    __slots__ = ("_gpus", "_provisional", "energy", "time", "window")
+
+    def __init__(
+        self,
+        time: float,
+        energy: list[float],
+        window: WindowResult | None = None,
+        gpus: Sequence[int] = (),
+    ) -> None:
+        self.time = time
+        self.energy = energy
+        #: The window's full result (methods, error bounds, CPU energy...).
+        self.window = window
+        self._gpus = list(gpus)
+        self._provisional = False
+
+    @property
+    def provisional(self) -> bool:
+        """Whether :attr:`energy` holds provisional figures (see the class docstring)."""
+        return self.window is not None and self._provisional
+
+    def exact(self, timeout: float | None = None) -> ProfilingResult:
+        """The same window with its exact figures (waits for them, ``timeout`` seconds at most;
+        :class:`TimeoutError` after)."""
+        if self.window is None:
+            return self
+        energies = self.window.wait(timeout).gpu_energy_j
+        return ProfilingResult(
+            self.time, [energies.get(i, 0.0) for i in self._gpus], self.window, self._gpus
+        )
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.time, self.energy))
+
+    def __getitem__(self, index: int) -> Any:
+        return (self.time, self.energy)[index]
+
+    def __len__(self) -> int:
+        return 2
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ProfilingResult | tuple):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.time, tuple(self.energy)))
+
+    def __repr__(self) -> str:
+        mark = ", provisional" if self.provisional else ""
+        return f"ProfilingResult(time={self.time!r}, energy={self.energy!r}{mark})"
 
 
 def _csv_line(m: Measurement, *, header: bool, rank: str = "") -> str:
@@ -442,14 +497,17 @@ class Monitor(ClosedOnExit):
     ) -> WindowResult:
         """End window ``key`` and return its result at once.
 
-        ``result.time`` is known immediately; energy attributes resolve within
-        ``finalize_timeout_s`` (0.5 s by default; ~0.2 s with a 100 ms energy counter) of the
-        window's end, blocking the reader until then. With ``cancel=True`` the window is
-        discarded and an empty, cancelled result is returned.
+        ``result.time`` is known immediately, and so are the energy attributes: provisional
+        figures from the sampler's latest power readings (a few microseconds to compute, no
+        message; ``result.provisional`` is true) until the exact, counter-based ones are in,
+        within ``finalize_timeout_s`` (0.5 s by default; ~0.2 s with a 100 ms energy counter)
+        of the window's end. ``result.wait()`` (or ``result.measurement``) waits for the
+        exact ones. With ``cancel=True`` the window is discarded and an empty, cancelled
+        result is returned.
 
         With the sampler in a child process (the default), this call only queues the edge:
-        it reaches the child with the I/O thread's next wake-up, at once when something reads
-        the result and within 0.1 s otherwise. So the window's ``measurement`` event (bus,
+        it reaches the child with the I/O thread's next wake-up, at once when something waits
+        for the exact result and within 0.1 s otherwise. So the window's ``measurement`` event (bus,
         recording, window log) may come up to 0.1 s after the bound above when nobody reads
         the result in between. In exchange, a loop with a window per step wakes no thread per
         step.
@@ -497,11 +555,14 @@ class Monitor(ClosedOnExit):
             self.begin_window(key)
             self._stack.append(key)
 
-    def pop_window(self) -> ProfilingResult:
+    def pop_window(self, *, exact: bool = False) -> ProfilingResult:
         """Close the most recently pushed window and return its time and per-GPU energy (in
         the order of :attr:`gpu_indices`: the caller's ``gpu_indices`` order, as in Zeus).
 
-        Waits for the energy figures (bounded by ``finalize_timeout_s``).
+        Returns at once: the energies are then the provisional figures (see
+        :class:`~zeus_async.aggregate.WindowResult`; ``result.provisional`` says so, and
+        ``result.exact()`` waits for the exact ones). ``exact=True`` waits for the exact
+        figures here (bounded by ``finalize_timeout_s``).
 
         Raises:
             RuntimeError: No window was pushed.
@@ -511,8 +572,15 @@ class Monitor(ClosedOnExit):
                 raise RuntimeError("no profiling window is active; call push_window() first")
             key = self._stack.pop()
         result = self.end_window(key)
+        if exact:
+            result.wait()
         energies = result.gpu_energy
-        return ProfilingResult(result.time, [energies.get(i, 0.0) for i in self.gpu_indices])
+        out = ProfilingResult(
+            result.time, [energies.get(i, 0.0) for i in self.gpu_indices], result, self.gpu_indices
+        )
+        if not result.done():
+            out._provisional = result.provisional
+        return out
 
     @property
     def open_windows(self) -> list[str]:
@@ -611,7 +679,9 @@ class Monitor(ClosedOnExit):
             raise RuntimeError("this Monitor is closed")
 
     def close(self) -> None:
-        """Stop sampling; pending windows are finalized with the data there is. Idempotent."""
+        """Stop sampling. Windows already closed first get their exact figures (waiting at most
+        ``finalize_timeout_s`` for the data that completes them); windows still open are
+        dropped. Idempotent."""
         if self._closed:
             return
         hooks, self._close_hooks = self._close_hooks, []

@@ -352,17 +352,20 @@ def test_a_widened_bracket_does_not_move_the_update_grid() -> None:
             t = i * 10 * MS + 3 * MS
             if not 850 * MS < t < gap_end * MS:
                 h.add(t, watts, counter(t))
-        errors = []
+        errors, late = [], 0
         for t1 in range(840, 1036, 7):
             t0_ns, t1_ns = (t1 - 400) * MS, t1 * MS
             est = h.energy(t0_ns, t1_ns)
-            assert est.method == "counter+interpolated"
+            # An edge in the stalled stretch is said to be: its samples came late.
+            assert est.method in ("counter+interpolated", "counter+interpolated, late")
+            late += est.method.endswith(", late")
             assert est.energy_j is not None
             errors.append(abs(est.energy_j / (watts * 0.4) - 1))
         # 0.02 % at most here; fitted from midpoints alone, the update instants were off by
         # up to 7 ms (1.7 % of these windows) and, across the two-update stall, a whole
         # period (25 %).
         assert max(errors) < 0.002, (gap_end, until, max(errors))
+        assert late > 0
 
 
 def test_window_measures_only_the_gpus_it_names() -> None:

@@ -128,6 +128,10 @@ class Reply(msgspec.Struct, omit_defaults=True):
     prometheus_port: int | None = None
     #: ``ready``: the agent's pid, which attached clients watch (they fail fast if it dies).
     agent_pid: int = 0
+    #: ``ready``: the power board's file (provisional window figures), and the agent's GPU
+    #: index of each of the client's ``gpus``, in order.
+    board: str | None = None
+    board_gpus: list[int] = []
     #: For ``error`` replies about a path: the path (``FileNotFoundError`` and friends).
     filename: str | None = None
     errno: int | None = None

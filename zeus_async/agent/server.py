@@ -118,14 +118,19 @@ class _Client:
         if self.visible is None:
             return m
         back = {agent: mine for mine, agent in enumerate(self.visible)}
+
+        def keyed(by_key: dict[str, Any]) -> dict[str, Any]:
+            return {
+                (f"gpu:{back[int(k[4:])]}" if k.startswith("gpu:") else k): v
+                for k, v in by_key.items()
+                if not k.startswith("gpu:") or int(k[4:]) in back
+            }
+
         return msgspec.structs.replace(
             m,
             gpu_energy_j={back[g]: e for g, e in m.gpu_energy_j.items() if g in back},
-            methods={
-                (f"gpu:{back[int(k[4:])]}" if k.startswith("gpu:") else k): v
-                for k, v in m.methods.items()
-                if not k.startswith("gpu:") or int(k[4:]) in back
-            },
+            methods=keyed(m.methods),
+            error_j=keyed(m.error_j),
         )
 
 
@@ -144,6 +149,10 @@ class Agent:
         self.enc = msgspec.msgpack.Encoder()
         self.idle_since = anyio.current_time()
         self.stopping = anyio.Event()
+        tracker = rt.tracker
+        board = tracker.board if tracker is not None else None
+        #: The power board's file, which clients map for provisional window figures.
+        self.board = str(board.path) if board is not None and board.path is not None else None
 
     def send(self, ident: bytes, reply: Reply) -> None:
         try:
@@ -209,6 +218,8 @@ class Agent:
                 devices=devices,
                 prometheus_port=self.rt.prometheus_port,
                 agent_pid=os.getpid(),
+                board=self.board,
+                board_gpus=client.to_agent(gpus) or [],
             ),
         )
         logger.info("client %s attached", client.label)
@@ -233,6 +244,12 @@ class Agent:
             if name.startswith(prefix):
                 with contextlib.suppress(ValueError):
                     tracker.close(name, cancel=True)
+        if not dead:
+            # Windows it closed get their exact figures first (the data that completes them
+            # comes within finalize_timeout_s), then whatever is left is measured as it is.
+            with anyio.move_on_after(self.cfg.finalize_timeout_s + 0.05):
+                while any(owner == ident for owner, _, _ in self.windows.values()):
+                    await anyio.sleep(0.005)
         for agent_id, (owner, _, _) in list(self.windows.items()):
             if owner == ident:
                 tracker.finalize(agent_id)  # resolves through on_result while still known
@@ -392,6 +409,7 @@ async def _run_runtime(
             sim_config=sim_config,
             windows=True,
             finalize_timeout_s=cfg.finalize_timeout_s,
+            window_board=str(private_dir() / f"board-{os.getpid()}-{os.urandom(4).hex()}"),
             record=cfg.record,
             overwrite=cfg.overwrite,
             processes=processes,

@@ -8,12 +8,14 @@ interval ``[t0, t1]`` then comes from the best source that covers it:
   observed by the first sample after it, so its instant lies in the *bracket* between that
   sample and the previous one; the instant is taken from a regular update grid fitted to the
   brackets around it. A bracket widened by a late wake-up or by skipped reads counts little in
-  that fit, and its own update is put on the last grid instant inside it. Each period's energy is
-  exact; inside a period it is distributed in proportion to time, or — when the instant-power
-  readings are seen to follow :class:`SensorModel` (H100-like: the reading refreshed with the
-  counter averages the head of the period) — as a head level plus at most one step to the
-  next period's head level, fitted to the exact period energy. This never reports 0 J for a
-  window shorter than the counter period.
+  that fit, and its own update is put on the last grid instant inside it; where such updates
+  leave the split unknown, the periods around them are merged (see :meth:`DeviceHistory.energy`
+  on late edges). Each period's energy is exact; inside a period it is distributed in
+  proportion to the integrated power readings (in proportion to time without readings), or —
+  when the instant-power readings are seen to follow :class:`SensorModel` (H100-like: the
+  reading refreshed with the counter averages the head of the period) — as a head level plus
+  at most one step to the next period's head level, fitted to the exact period energy. This
+  never reports 0 J for a window shorter than the counter period.
 * **integrated** (pre-Volta GPUs, or no counter update yet around the interval): power samples
   integrated with the trapezoid rule, held constant beyond the first and last sample.
 * **counter** (a counter but no power samples): the counter between its first and last observed
@@ -35,10 +37,18 @@ import bisect
 import logging
 import math
 import threading
+from collections.abc import Mapping
 
-from ..events import GpuSample, RaplSample
+from ..events import GpuSample, Measurement, RaplSample
 
-__all__ = ["DeviceHistory", "EnergyEstimate", "SensorModel", "add_sample", "history_key"]
+__all__ = [
+    "DeviceHistory",
+    "EnergyEstimate",
+    "SensorModel",
+    "add_sample",
+    "history_key",
+    "window_measurement",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +61,8 @@ _CACHE_MAX = 256
 _SETTLED = 2 * _FIT_RADIUS + 4
 #: Samples between two compactions of a bounded history.
 _COMPACT_EVERY = 1024
+#: An edge whose samples around it are this many typical sample intervals apart came late.
+LATE_FACTOR = 3.0
 
 _Lead = tuple[float, float, float, float, float, float]
 
@@ -69,6 +81,54 @@ def add_sample(history: DeviceHistory, event: GpuSample | RaplSample) -> None:
             history.add(event.t_ns, event.power_w, event.energy_j)
     else:
         history.add(event.t_ns, None, event.energy_j)
+
+
+def window_measurement(
+    *,
+    host: str,
+    t_ns: int,
+    name: str,
+    window_id: int,
+    start_ns: int,
+    end_ns: int,
+    figures: Mapping[str, EnergyEstimate],
+    lost: list[str] | None = None,
+) -> Measurement:
+    """A window's :class:`~zeus_async.events.Measurement` from one figure per device key
+    (``gpu:0``, ``cpu:0/package``, ``cpu:0/dram``): a GPU's method is kept even without a
+    figure (``unavailable``); a CPU domain without one is left out."""
+    gpu: dict[int, float] = {}
+    cpu: dict[int, float] = {}
+    dram: dict[int, float] = {}
+    methods: dict[str, str] = {}
+    errors: dict[str, float] = {}
+    for key, estimate in figures.items():
+        energy = estimate.energy_j
+        if key.startswith("gpu:"):
+            methods[key] = estimate.method
+            if energy is not None:
+                gpu[int(key[4:])] = energy
+        elif energy is not None:
+            package, _, domain = key.partition("/")
+            (cpu if domain == "package" else dram)[int(package[4:])] = energy
+            methods[key] = estimate.method
+        if energy is not None:
+            errors[key] = estimate.error_j
+    return Measurement(
+        host=host,
+        t_ns=t_ns,
+        name=name,
+        window_id=window_id,
+        start_ns=start_ns,
+        end_ns=end_ns,
+        time_s=(end_ns - start_ns) / 1e9,
+        gpu_energy_j=gpu,
+        cpu_energy_j=cpu or None,
+        dram_energy_j=dram or None,
+        methods=methods,
+        lost=lost or [],
+        error_j=errors,
+    )
 
 
 class SensorModel:
@@ -98,16 +158,26 @@ class SensorModel:
 
 
 class EnergyEstimate:
-    """Energy over an interval and how it was obtained."""
+    """Energy over an interval, how it was obtained, and what its edges leave uncertain.
 
-    __slots__ = ("energy_j", "method")
+    ``error_j`` (windows only; 0 elsewhere) bounds what the data around the interval's two
+    edges leaves open, assuming power moves monotonically between two readings: an edge
+    between readings ``p_a`` and ``p_b`` contributes ``|p_b - p_a|`` times the part of their
+    gap inside the interval; an edge past the last reading, that reading's power times the
+    stretch extrapolated; an edge inside counter periods whose update instants are unknown
+    (late samples, see :meth:`DeviceHistory.energy`), the difference between splitting their
+    energy by time and by power. Exact counter periods between the edges add nothing.
+    """
 
-    def __init__(self, energy_j: float | None, method: str) -> None:
+    __slots__ = ("energy_j", "error_j", "method")
+
+    def __init__(self, energy_j: float | None, method: str, error_j: float = 0.0) -> None:
         self.energy_j = energy_j
         self.method = method
+        self.error_j = error_j
 
     def __repr__(self) -> str:
-        return f"EnergyEstimate({self.energy_j!r}, {self.method!r})"
+        return f"EnergyEstimate({self.energy_j!r}, {self.method!r}, error_j={self.error_j!r})"
 
 
 class DeviceHistory:
@@ -150,6 +220,8 @@ class DeviceHistory:
         # counter value): both edges of a short window, and the end of one window and the start
         # of the next, ask for the same points again. Cleared when it grows past _CACHE_MAX.
         self._refined_cache: dict[tuple[int, int, int, float], float] = {}
+        # Typical half-bracket of a fit neighbourhood (first and last raw instant), see _wide.
+        self._typical_cache: dict[tuple[int, int], float] = {}
         self._last_power: float | None = None
         # Sensor-model evidence: instant-power changes, and how many came with a counter update.
         self.power_changes = 0
@@ -305,6 +377,17 @@ class DeviceHistory:
 
     # -- reading (any thread) -----------------------------------------------------------------
 
+    def fresh_power(self, reading_w: float) -> float:
+        """The freshest mean power the data gives, for a provisional figure, given the latest
+        instant-power reading: that reading, except where readings follow the
+        :class:`SensorModel` (they then describe the head of the period before the last
+        counter update), where the mean power of the last counter period is fresher."""
+        with self._lock:
+            ct, ce = self._ct, self._ce
+            if len(ct) < 2 or not self._head_model_active() or ct[-1] <= ct[-2]:
+                return reading_w
+            return (ce[-1] - ce[-2]) / (ct[-1] - ct[-2]) * 1e9
+
     def covers(self, t_ns: int) -> bool:
         """Whether data after ``t_ns`` has arrived so that an interval ending there is final.
 
@@ -320,11 +403,31 @@ class DeviceHistory:
             return bool(self._pt) and self._pt[-1] >= t_ns
 
     def energy(self, t0_ns: int, t1_ns: int) -> EnergyEstimate:
-        """Energy over ``[t0_ns, t1_ns]`` from the best source covering it."""
+        """Energy over ``[t0_ns, t1_ns]`` from the best source covering it, with the
+        uncertainty its edges leave (:class:`EnergyEstimate`).
+
+        When the samples around an edge came late or not at all (a gap of more than
+        :data:`LATE_FACTOR` typical sample intervals, or counter updates seen only through such
+        gaps), the method gets the suffix ``, late`` and ``error_j`` says how much is at stake.
+        A counter split that would leave a window nothing while the power readings around it
+        show the device drawing power is replaced by those readings (``integrated, late``).
+        """
         if t1_ns < t0_ns:
             raise ValueError("interval ends before it starts")
         with self._lock:
-            return self._energy(t0_ns, t1_ns)
+            estimate = self._energy(t0_ns, t1_ns)
+            if estimate.energy_j is None:
+                return estimate
+            err0, late0 = self._edge_error(t0_ns, estimate.method, begin=True)
+            err1, late1 = self._edge_error(t1_ns, estimate.method, begin=False)
+            energy, method = estimate.energy_j, estimate.method
+            if method.startswith("counter") and energy <= 0 and self._pt and t1_ns > t0_ns:
+                power = self._integral(t0_ns, t1_ns)
+                if power > 0:
+                    energy, method, late0 = power, "integrated", True
+            if late0 or late1:
+                method += ", late"
+            return EnergyEstimate(energy, method, err0 + err1)
 
     def span_energy(self) -> EnergyEstimate:
         """Energy over the device's own span, from its first to its last sample.
@@ -403,6 +506,10 @@ class DeviceHistory:
                 t_a, t_b = t_b, self._refined(i)
         elif 0 < i < len(ct):
             t_a, t_b = ct[i - 1], ct[i]
+        if 0 < i < len(ct) and not self.fine_counter:
+            span = self._merged(i)
+            if span is not None:
+                return self._merged_at(t_ns, *span, by_power=True)
         if i == 0:
             return ce[0]
         if i == len(ct):
@@ -412,9 +519,95 @@ class DeviceHistory:
             return ce[i] if t_ns >= t_b else ce[i - 1]
         offset = min(max(t_ns - t_a, 0), t_b - t_a)
         if not head:
+            if not self.fine_counter and self._pt:
+                return self._merged_at(t_ns, i - 1, i, by_power=True)
             return ce[i - 1] + (ce[i] - ce[i - 1]) * offset / (t_b - t_a)
         nxt = cp[i + 1] if i + 1 < len(cp) else _NAN
         return ce[i - 1] + self._period_partial(ce[i] - ce[i - 1], cp[i], nxt, offset, t_b - t_a)
+
+    def _wide(self, k: int) -> bool:
+        """Whether update ``k`` was seen through a bracket over twice as wide as is typical
+        around it (a late wake-up, skipped reads): where in it the update happened is not
+        known well enough to split energy there."""
+        ct, cb = self._ct, self._cb
+        lo, hi = max(0, k - _FIT_RADIUS), min(len(ct), k + _FIT_RADIUS + 1)
+        if hi - lo < 5:
+            return False
+        key = (ct[lo], ct[hi - 1])
+        typical = self._typical_cache.get(key)
+        if typical is None:
+            half = sorted(ct[i] - cb[i] for i in range(lo, hi))
+            typical = self._typical_cache[key] = max(half[len(half) // 2], 1000)
+        return ct[k] - cb[k] > 2 * typical
+
+    def _merged(self, i: int) -> tuple[int, int] | None:
+        """The counter points bounding the period ``(i - 1, i)`` once updates seen only through
+        wide brackets are passed over (``None`` when neither end is one)."""
+        last = len(self._ct) - 1
+        j0, j1 = i - 1, i
+        while j0 > 0 and self._wide(j0):
+            j0 -= 1
+        while j1 < last and self._wide(j1):
+            j1 += 1
+        if (j0, j1) == (i - 1, i) and not self._wide(j0) and not self._wide(j1):
+            return None
+        return j0, j1
+
+    def _merged_at(self, t_ns: float, j0: int, j1: int, *, by_power: bool) -> float:
+        """The counter at ``t_ns`` inside the merged periods ``j0 .. j1``: their exact energy
+        split in proportion to the integrated power readings (``by_power``, when there are
+        any), else to time."""
+        ce = self._ce
+        t_a, t_b = self._refined(j0), self._refined(j1)
+        if t_b <= t_a:
+            return ce[j1] if t_ns >= t_b else ce[j0]
+        t = min(max(t_ns, t_a), t_b)
+        share = (t - t_a) / (t_b - t_a)
+        if by_power and self._pt:
+            whole = self._cum(t_b) - self._cum(t_a)
+            if whole > 0:
+                share = (self._cum(t) - self._cum(t_a)) / whole
+        return ce[j0] + (ce[j1] - ce[j0]) * share
+
+    def _typical_interval(self, i: int) -> float:
+        """The median interval between power readings around reading ``i``."""
+        pt = self._pt
+        lo, hi = max(0, i - 8), min(len(pt), i + 9)
+        if hi - lo < 3:
+            return math.inf
+        gaps = sorted(pt[k + 1] - pt[k] for k in range(lo, hi - 1))
+        return float(gaps[len(gaps) // 2])
+
+    def _edge_error(self, t_ns: int, method: str, *, begin: bool) -> tuple[float, bool]:
+        """What the data around one window edge leaves uncertain (J), and whether it came
+        late (see :class:`EnergyEstimate` and :meth:`energy`)."""
+        error, late = 0.0, False
+        pt, pw = self._pt, self._pw
+        if pt:
+            i = bisect.bisect_right(pt, t_ns)
+            typical = self._typical_interval(min(i, len(pt) - 1))
+            if 0 < i < len(pt):
+                t_a, t_b = pt[i - 1], pt[i]
+                part = (t_b - t_ns) if begin else (t_ns - t_a)
+                error += abs(pw[i] - pw[i - 1]) * part / 1e9
+                # A long gap between equal readings hides nothing (adaptive reads skip those).
+                late = pw[i] != pw[i - 1] and t_b - t_a > LATE_FACTOR * typical
+            elif i == len(pt) and method != "counter+interpolated":
+                # Past the last reading, extrapolated at its power.
+                error += pw[-1] * (t_ns - pt[-1]) / 1e9
+                late = t_ns - pt[-1] > LATE_FACTOR * typical
+        ct = self._ct
+        if not self.fine_counter and len(ct) >= 2 and method.startswith("counter"):
+            i = bisect.bisect_right(ct, t_ns)
+            if 0 < i < len(ct):
+                span = self._merged(i)
+                if span is not None:
+                    late = True
+                    if self._pt:
+                        by_power = self._merged_at(t_ns, *span, by_power=True)
+                        by_time = self._merged_at(t_ns, *span, by_power=False)
+                        error += abs(by_power - by_time)
+        return error, late
 
     def _lead_in(self) -> _Lead | None:
         """The counter period that ends at the first observed update: ``(start, first
@@ -466,6 +659,7 @@ class DeviceHistory:
         if value is None:
             if len(cache) >= _CACHE_MAX:
                 cache.clear()
+                self._typical_cache.clear()
             value = cache[key] = self._fit(k, lo, hi)
         return value
 

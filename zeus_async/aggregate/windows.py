@@ -20,6 +20,7 @@ slow poll, whatever the sampling rate.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import threading
@@ -40,7 +41,14 @@ from ..events import (
     WindowClose,
     WindowOpen,
 )
-from .history import DeviceHistory, EnergyEstimate, add_sample, history_key
+from .board import BoardReader, PowerBoard, provisional_measurement
+from .history import (
+    DeviceHistory,
+    EnergyEstimate,
+    add_sample,
+    history_key,
+    window_measurement,
+)
 
 __all__ = [
     "EnergyEstimate",
@@ -82,18 +90,26 @@ _RESOLVED = threading.Condition()
 
 
 class WindowResult:
-    """The outcome of one window; energy figures resolve shortly after the window ends.
+    """The outcome of one window; the exact energy figures resolve shortly after it ends.
 
-    ``time`` (seconds) is known at once. Reading any energy attribute blocks until the window
-    is finalized (bounded, see the module docstring); :meth:`done` tells without blocking, and
-    :meth:`wait` / :meth:`wait_async` wait explicitly.
+    ``time`` (seconds) is known at once. So are the energy attributes (``gpu_energy``,
+    ``total_energy``, ``methods``, ``error_j``...): until the exact, counter-based figures are
+    in (~0.1 s after the window's end, bounded by ``finalize_timeout_s``) they return a
+    *provisional* figure computed from the power readings the sampler publishes
+    (:mod:`~zeus_async.aggregate.board`), and :attr:`provisional` is true; afterwards, the
+    exact ones. Reading them never blocks where the sampler publishes readings (every
+    ``Monitor`` and runtime with windows); elsewhere they wait for the exact figures.
+    :meth:`done` tells whether the exact figures are in, :meth:`wait` / :meth:`wait_async`
+    (and :attr:`measurement`) wait for them.
     """
 
     __slots__ = (
         "_done",
         "_error",
+        "_estimate",
         "_measurement",
         "_on_wait",
+        "_provisional",
         "cancelled",
         "end_ns",
         "name",
@@ -117,6 +133,10 @@ class WindowResult:
         # defers work nobody is waiting for (the sampler process's parent) hurries it along.
         # Called with this result.
         self._on_wait: Callable[[WindowResult], None] | None = None
+        # Computes the provisional figures from the power board (set by whoever can), and
+        # what it computed, once.
+        self._estimate: Callable[[WindowResult], Measurement | None] | None = None
+        self._provisional: Measurement | None = None
 
     @property
     def time(self) -> float:
@@ -176,29 +196,55 @@ class WindowResult:
                 self._done = True
                 _RESOLVED.notify_all()
 
+    def _current(self) -> Measurement:
+        """The exact figures when in, else the provisional ones (computed once), else the
+        exact ones waited for."""
+        if not self._done:
+            estimate = self._estimate
+            if estimate is not None:
+                if self._provisional is None:
+                    try:
+                        self._provisional = estimate(self)
+                    except Exception:  # a damaged board: fall back to waiting
+                        logger.exception("provisional figures of window %r failed", self.name)
+                        self._estimate = None
+                if self._provisional is not None and not self._done:
+                    return self._provisional
+        return self.wait()
+
+    @property
+    def provisional(self) -> bool:
+        """Whether the energy attributes return provisional figures now (the exact ones are
+        not in yet). Never blocks."""
+        if self._done:
+            return False
+        self._current()
+        return not self._done and self._provisional is not None
+
     @property
     def measurement(self) -> Measurement:
+        """The exact figures, as a :class:`~zeus_async.events.Measurement` (waits for them)."""
         return self.wait()
 
     @property
     def gpu_energy(self) -> dict[int, float]:
-        """Joules per GPU index."""
-        return self.wait().gpu_energy_j
+        """Joules per GPU index (provisional until :meth:`done`)."""
+        return self._current().gpu_energy_j
 
     @property
     def cpu_energy(self) -> dict[int, float] | None:
         """Joules per CPU package (RAPL ``package`` domain), or ``None`` without RAPL."""
-        return self.wait().cpu_energy_j
+        return self._current().cpu_energy_j
 
     @property
     def dram_energy(self) -> dict[int, float] | None:
         """Joules per CPU package (RAPL ``dram`` domain), or ``None`` when unavailable."""
-        return self.wait().dram_energy_j
+        return self._current().dram_energy_j
 
     @property
     def total_energy(self) -> float:
         """GPU + CPU + DRAM joules."""
-        m = self.wait()
+        m = self._current()
         total = sum(m.gpu_energy_j.values())
         for part in (m.cpu_energy_j, m.dram_energy_j):
             if part:
@@ -207,16 +253,22 @@ class WindowResult:
 
     @property
     def methods(self) -> dict[str, str]:
-        """How each device's figure was obtained (``gpu:0`` → ``counter+interpolated``...)."""
-        return self.wait().methods
+        """How each device's figure was obtained (``gpu:0`` → ``counter+interpolated``...;
+        provisional figures: ``integrated`` or ``integrated+extrapolated``)."""
+        return self._current().methods
+
+    @property
+    def error_j(self) -> dict[str, float]:
+        """Per device key, what the data around the edges leaves uncertain (J)."""
+        return self._current().error_j
 
     @property
     def lost(self) -> list[str]:
-        """Devices that failed during the window."""
+        """Devices that failed during the window (known with the exact figures; waits)."""
         return self.wait().lost
 
     def __repr__(self) -> str:
-        state = "cancelled" if self.cancelled else ("final" if self.done() else "pending")
+        state = "cancelled" if self.cancelled else ("exact" if self.done() else "pending")
         return f"WindowResult({self.name!r}, time={self.time:.6f}, {state})"
 
 
@@ -244,6 +296,10 @@ class WindowTracker:
         history_s: How much history to keep beyond the oldest open window.
         on_result: Called on the runtime's thread with each finished window's measurement
             (the sampler process sends it to the parent this way).
+        board: Publish every power reading on a :class:`~zeus_async.aggregate.board.PowerBoard`
+            (``True``: an anonymous one, read in this process; a path: a file other
+            processes map; ``False``: none), so that closed windows have provisional figures
+            at once. :attr:`board` is it.
     """
 
     def __init__(
@@ -256,6 +312,7 @@ class WindowTracker:
         finalize_timeout_s: float = 0.5,
         history_s: float = 30.0,
         on_result: Callable[[Measurement], None] | None = None,
+        board: bool | str = True,
     ) -> None:
         self.clock = clock
         self.on_result = on_result
@@ -273,6 +330,16 @@ class WindowTracker:
                 self.histories[info.key] = DeviceHistory(info.key)
             elif kind == "cpu":
                 self.cpu_packages.append(int(num))
+        self.board: PowerBoard | None = None
+        self._board_reader: BoardReader | None = None
+        if board is not False:
+            keys = [f"gpu:{g}" for g in self.gpu_indices] + [
+                f"cpu:{p}/{domain}" for p in self.cpu_packages for domain in ("package", "dram")
+            ]
+            self.board = PowerBoard(keys, None if board is True else board)
+            self._board_reader = self.board.reader()
+        # Board keys of the devices a window measures, by its GPUs (None: all).
+        self._board_keys: dict[frozenset[int] | None, dict[str, str]] = {}
         self._open: dict[str, tuple[int, int]] = {}
         # Open windows that measure some GPUs only (id -> GPU indices).
         self._gpus: dict[int, frozenset[int]] = {}
@@ -329,9 +396,34 @@ class WindowTracker:
         if cancel:
             return WindowResult.cancelled_result(name, window_id, start, t, host=self.host)
         result = WindowResult(name, window_id, start, t)
+        if self._board_reader is not None:
+            result._estimate = functools.partial(self._provisional, self._keys_for(gpus))
         with self._closed_lock:
             self._closed.append(_Closed(result, t + self._timeout_ns, gpus))
         return result
+
+    def _keys_for(self, gpus: frozenset[int] | None) -> dict[str, str]:
+        keys = self._board_keys.get(gpus)
+        if keys is None:
+            assert self.board is not None
+            keys = {
+                k: k
+                for k in self.board.keys
+                if gpus is None or not k.startswith("gpu:") or int(k[4:]) in gpus
+            }
+            self._board_keys[gpus] = keys
+        return keys
+
+    def _provisional(self, keys: dict[str, str], result: WindowResult) -> Measurement | None:
+        assert self._board_reader is not None
+        return provisional_measurement(
+            self._board_reader, result, keys, host=self.host, now_ns=self.clock.wall_ns()
+        )
+
+    def close_board(self) -> None:
+        """Remove the board's file, if it has one (the runtime does it when it stops)."""
+        if self.board is not None:
+            self.board.close()
 
     @property
     def open_windows(self) -> list[str]:
@@ -348,12 +440,20 @@ class WindowTracker:
 
     def add(self, event: Event) -> None:
         """Account one event from the stream (runtime thread)."""
+        board = self.board
         if isinstance(event, GpuSample):
             if event.power_w is not None or event.energy_j is not None:
-                add_sample(self._history(history_key(event)), event)
+                key = history_key(event)
+                history = self._history(key)
+                add_sample(history, event)
+                if board is not None and event.power_w is not None:
+                    board.add(key, event.t_ns, history.fresh_power(event.power_w))
         elif isinstance(event, RaplSample):
             if event.domain in ("package", "dram"):
-                add_sample(self._history(history_key(event), fine=True), event)
+                key = history_key(event)
+                add_sample(self._history(key, fine=True), event)
+                if board is not None:
+                    board.add(key, event.t_ns, None, event.energy_j)
         elif isinstance(event, DeviceFault) and event.kind == "gpu_lost":
             self._history(event.device).mark_lost(event.t_ns)
         else:
@@ -429,30 +529,16 @@ class WindowTracker:
 
     def _measure(self, result: WindowResult, gpus: frozenset[int] | None = None) -> Measurement:
         t0, t1 = result.start_ns, result.end_ns
-        gpu: dict[int, float] = {}
-        cpu: dict[int, float] = {}
-        dram: dict[int, float] = {}
-        methods: dict[str, str] = {}
+        figures: dict[str, EnergyEstimate] = {}
         lost: list[str] = []
         for key, history in self._measured(gpus):
-            estimate = history.energy(t0, t1)
+            figures[key] = history.energy(t0, t1)
             if history.lost_at_ns is not None and history.lost_at_ns <= t1:
                 lost.append(key)
-            if key.startswith("gpu:"):
-                methods[key] = estimate.method
-                if estimate.energy_j is not None:
-                    gpu[int(key[4:])] = estimate.energy_j
-            else:
-                pkg_key, _, domain = key.partition("/")
-                if estimate.energy_j is None:
-                    continue
-                methods[key] = estimate.method
-                target = cpu if domain == "package" else dram
-                target[int(pkg_key[4:])] = estimate.energy_j
         if (
             not self._short_warned
             and t1 - t0 < 100_000_000
-            and any(m == "integrated" for m in methods.values())
+            and any(f.method.startswith("integrated") for f in figures.values())
         ):
             self._short_warned = True
             logger.warning(
@@ -461,18 +547,14 @@ class WindowTracker:
                 result.name,
                 (t1 - t0) / 1e6,
             )
-        return Measurement(
+        return window_measurement(
             host=self.host,
             t_ns=self.clock.wall_ns(),
             name=result.name,
             window_id=result.window_id,
             start_ns=t0,
             end_ns=t1,
-            time_s=(t1 - t0) / 1e9,
-            gpu_energy_j=gpu,
-            cpu_energy_j=cpu or None,
-            dram_energy_j=dram or None,
-            methods=methods,
+            figures=figures,
             lost=lost,
         )
 
@@ -506,6 +588,13 @@ class WindowTracker:
             return True
         logger.info("windows: energy counters not primed within %.2f s", timeout_s)
         return False
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until every closed window is finalized: before the
+        samplers stop, so that their data still completes the last windows."""
+        with anyio.move_on_after(timeout_s):
+            while self._closed:
+                await anyio.sleep(0.005)
 
     async def run(self, stream: ObjectReceiveStream[Event]) -> None:
         """Consume a stream (for replays and tests; the runtime uses :meth:`add` as a sink)."""
@@ -617,6 +706,7 @@ class ReplayedWindows:
                 self._devices,
                 finalize_timeout_s=self._finalize_timeout_s,
                 on_result=self.results.append,
+                board=False,
             )
         return tracker
 

@@ -125,6 +125,9 @@ class Runtime:
         windows: Keep device histories for measurement windows (:meth:`window`,
             :attr:`tracker`); costs a few microseconds per sample, so it is opt-in.
         finalize_timeout_s: Bound on how long a window's energy waits for post-edge data.
+        window_board: With ``windows``: a file to share the power board on, from which other
+            processes compute provisional window figures (:mod:`zeus_async.aggregate.board`;
+            removed at exit); ``None``: a board read in this process only.
         record: Write every event to this recording file (lossless consumer, see
             :mod:`zeus_async.store`), with the devices in its header. An existing recording
             is refused (:class:`FileExistsError`) unless ``overwrite``.
@@ -162,6 +165,7 @@ class Runtime:
         consumers: Sequence[Consumer] = (),
         windows: bool = False,
         finalize_timeout_s: float = 0.5,
+        window_board: str | None = None,
         record: str | os.PathLike[str] | None = None,
         overwrite: bool = False,
         processes: ProcessTracking | bool | None = None,
@@ -208,6 +212,7 @@ class Runtime:
         self._initial_consumers = list(consumers)
         self._windows = windows
         self._finalize_timeout_s = finalize_timeout_s
+        self._window_board = window_board
         self.tracker: WindowTracker | None = None
         self._record = record
         self._overwrite = overwrite
@@ -277,7 +282,9 @@ class Runtime:
                     [d.describe() for d in self.devices],
                     publish=self.publish_nowait,
                     finalize_timeout_s=self._finalize_timeout_s,
+                    board=self._window_board or True,
                 )
+                self._stack.callback(self.tracker.close_board)
                 # A sink, not a consumer: accounting a sample is a few list appends, and a
                 # stream would cost a task switch per event on this thread.
                 self.hub.add_sink(self.tracker.add)
@@ -323,6 +330,9 @@ class Runtime:
             # Put back every setting changed through us while devices are open and consumers
             # (the recorder, the bus) still receive the change events.
             await self._restore_all()
+            if self.tracker is not None and exc_type is None:
+                # Windows closed last get their exact figures while samples still come.
+                await self.tracker.drain(self._finalize_timeout_s + 0.05)
             self._sampler_scope.cancel()
             await self._samplers_done.wait()
             # Finalize pending windows while consumers can still receive the measurements.

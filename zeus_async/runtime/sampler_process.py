@@ -25,10 +25,12 @@ import contextlib
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Literal
@@ -47,9 +49,10 @@ from ..agent.protocol import (
     Reply,
     error_from_reply,
 )
+from ..aggregate.board import BoardReader, provisional_measurement
 from ..aggregate.windows import WindowResult
 from ..errors import ConfigError
-from ..events import DeviceInfo, Event
+from ..events import DeviceInfo, Event, Measurement
 from .processes import ProcessTracking
 
 __all__ = ["Edge", "SamplerProcess"]
@@ -211,6 +214,24 @@ class SamplerProcess:
         self.endpoint = ready.endpoint
         self.devices: list[DeviceInfo] = ready.devices
         self.prometheus_port: int | None = ready.prometheus_port
+        # The agent's power board: provisional figures for windows, read here.
+        self._board: BoardReader | None = None
+        self._board_keys: dict[str, str] = {}
+        if ready.board is not None:
+            try:
+                self._board = BoardReader(ready.board)
+            except (OSError, ValueError) as exc:
+                logger.warning("no provisional window figures (power board: %s)", exc)
+            else:
+                self._board_keys = {
+                    f"gpu:{mine}": f"gpu:{theirs}"
+                    for mine, theirs in zip(ready.gpus, ready.board_gpus, strict=False)
+                }
+                for package in ready.cpus:
+                    for domain in ("package", "dram"):
+                        self._board_keys[f"cpu:{package}/{domain}"] = f"cpu:{package}/{domain}"
+        self._estimate_cb = self._estimate
+        self._host = socket.gethostname()
         # Attached: watch the agent, which is not our child (a pidfd becomes readable when it
         # exits, and cannot name a later process that reuses the pid).
         self._agent_pid = ready.agent_pid
@@ -279,9 +300,17 @@ class SamplerProcess:
         # stored after that is failed here (failing twice is harmless), and one stored before
         # is in the dict it fails.
         result._on_wait = self._hurry_cb
+        if self._board is not None:
+            result._estimate = self._estimate_cb
         self._pending[result.window_id] = result
         if self._failure is not None:
             result._fail(RuntimeError(self._failure))
+
+    def _estimate(self, result: WindowResult) -> Measurement | None:
+        assert self._board is not None
+        return provisional_measurement(
+            self._board, result, self._board_keys, host=self._host, now_ns=time.time_ns()
+        )
 
     def _hurry_result(self, result: WindowResult) -> None:
         window_id = result.window_id
