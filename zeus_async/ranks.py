@@ -248,6 +248,10 @@ class Collectives:
         """The sum of every rank's ``value``."""
         return self._reduce([value], "SUM")[0]
 
+    def sums(self, values: list[float]) -> list[float]:
+        """Element by element, the sum of every rank's ``values`` (one collective)."""
+        return self._reduce(values, "SUM")
+
 
 def collectives() -> Collectives | None:
     """With ``torch.distributed`` initialized (several ranks): its :class:`Collectives`;

@@ -88,8 +88,9 @@ def start_restore_job(
 def run_ranks(
     argv: list[str], env: dict[str, str], *, world_size: int = 2, timeout: float = 60
 ) -> list[str]:
-    """Run ``argv`` as each rank of a job (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``,
-    ``RANK``, ``LOCAL_RANK`` set, as torchrun sets them); the ranks' outputs, rank 0 first.
+    """Run ``argv`` as each rank of a one-node job, with the variables torchrun sets
+    (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``); the ranks' outputs, rank 0 first.
 
     Raises:
         RuntimeError: A rank failed (with its stderr); every rank is killed then.
@@ -99,7 +100,15 @@ def run_ranks(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    job = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world_size))
+    size = str(world_size)
+    job = dict(
+        env,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=port,
+        WORLD_SIZE=size,
+        LOCAL_WORLD_SIZE=size,
+        GROUP_RANK="0",
+    )
     procs = [
         subprocess.Popen(
             argv,
