@@ -11,6 +11,8 @@ monitor's own edges. Our exact figures (``result.exact()``, ~0.1 s later) are sh
 
 Prints one table per GPU count: time the calls take on the caller's thread per step (median,
 p90, mean), and the mean absolute error against the truth (J, and % of the window's energy).
+Every third step measures the floor instead, in the same conditions: two edge time stamps
+queued, and each GPU's latest reading read twice from the same shared-memory board.
 
 Run: ``bench/.venv/bin/python bench/bench_step_results.py [--steps 300] [--gpus 1 4]``.
 """
@@ -18,6 +20,7 @@ Run: ``bench/.venv/bin/python bench/bench_step_results.py [--steps 300] [--gpus 
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import subprocess
 import sys
@@ -40,10 +43,28 @@ def run(gpus: int, steps: int, step_s: float) -> dict[str, Any]:
     zm, om = zeus_monitor(gpus), our_monitor(gpus)
     cost_ours: list[float] = []
     cost_zeus: list[float] = []
+    cost_floor: list[float] = []
     rows = []
+    board = om._process._board  # the sampler's power board, mapped here
+    keys = [om._process._board_keys[f"gpu:{g}"] for g in range(gpus)]
+    edges: collections.deque[int] = collections.deque()
     try:
         time.sleep(0.5)
         for i in range(steps):
+            if i % 3 == 2:
+                # The floor, in the same conditions (cold caches after a step, the sampler
+                # beside us): stamp and queue two edges, read each GPU's latest reading twice.
+                f0 = time.perf_counter_ns()
+                edges.append(time.time_ns())
+                f1 = time.perf_counter_ns()
+                _busy(step_s)
+                f2 = time.perf_counter_ns()
+                edges.append(time.time_ns())
+                for key in keys:
+                    board.latest(key)
+                    board.latest(key)
+                cost_floor.append((f1 - f0) + (time.perf_counter_ns() - f2))
+                continue
             name = f"s{i}"
             z0a = time.perf_counter_ns(), time.time_ns()
             zm.begin_window(name, sync_execution=False)
@@ -98,7 +119,7 @@ def run(gpus: int, steps: int, step_s: float) -> dict[str, Any]:
         "provisional": provisional_count,
         "cost": {
             name: (q(xs, 0.5), q(xs, 0.9), statistics.fmean(xs) / 1e3)
-            for name, xs in (("ours", cost_ours), ("zeus", cost_zeus))
+            for name, xs in (("ours", cost_ours), ("zeus", cost_zeus), ("floor", cost_floor))
         },
         "mae": {k: statistics.fmean(v) for k, v in err.items()},
     }
@@ -132,11 +153,13 @@ def main() -> None:
         ("Zeus 0.16 end_window (immediate)", r["cost"]["zeus"], "zeus"),
         ("zeus_async pop_window, read at once", r["cost"]["ours"], "ours"),
         ("zeus_async exact (~0.1 s later)", None, "exact"),
+        ("floor: 2 edge stamps + 2 shared-memory reads a GPU", r["cost"]["floor"], ""),
     ):
         c = "| — | — | —"
         if cost is not None:
             c = f"| {cost[0]:.1f} | {cost[1]:.1f} | {cost[2]:.1f}"
-        print(f"| {label} {c} | {mae[key]:.4f} | {mae[key + '_rel'] * 100:.2f} |")
+        e = "| — | —" if not key else f"| {mae[key]:.4f} | {mae[key + '_rel'] * 100:.2f}"
+        print(f"| {label} {c} {e} |")
     print(
         f"\nerror at once, ours/Zeus: {mae['ours'] / mae['zeus']:.3f}x (target ≤ 0.5x)", flush=True
     )

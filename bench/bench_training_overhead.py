@@ -46,6 +46,7 @@ def main() -> None:
     from zeus_async.integrations.hf import EnergyCallback
 
     ours_ns = [0]
+    parts: dict[str, int] = {}
 
     def counted(fn: Any) -> Any:
         def wrapper(*a: Any, **kw: Any) -> Any:
@@ -53,7 +54,9 @@ def main() -> None:
             try:
                 return fn(*a, **kw)
             finally:
-                ours_ns[0] += time.thread_time_ns() - t0
+                spent = time.thread_time_ns() - t0
+                ours_ns[0] += spent
+                parts[fn.__name__] = parts.get(fn.__name__, 0) + spent
 
         return wrapper
 
@@ -141,6 +144,8 @@ def main() -> None:
         f"| our threads in the process (CPU, ≥ GIL) | {threads_us:.1f} | "
         f"{threads_us / step_us * 100:.3f} |"
     )
+    for name, spent in sorted(parts.items()):
+        print(f"| — of which {name} | {spent / steps / 1e3:.1f} | |")
     print(f"| **total** | **{total_us:.1f}** | **{total_us / step_us * 100:.3f}** (target ≤ 0.5) |")
 
 

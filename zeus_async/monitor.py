@@ -76,6 +76,8 @@ class ProfilingResult:
 
     __slots__ = ("_gpus", "_provisional", "energy", "time", "window")
 
+    _gpus: Sequence[int]
+
     def __init__(
         self,
         time: float,
@@ -87,7 +89,7 @@ class ProfilingResult:
         self.energy = energy
         #: The window's full result (methods, error bounds, CPU energy...).
         self.window = window
-        self._gpus = list(gpus)
+        self._gpus = gpus
         self._provisional = False
 
     @property
@@ -364,6 +366,7 @@ class Monitor(ClosedOnExit):
         self._open: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()
         self._stack: list[str] = []
+        self._stack_tag = f"{id(self):x}"
         self._stack_lock = threading.Lock()
         self._closed = False
         self._close_hooks: list[Callable[[], None]] = []
@@ -551,7 +554,7 @@ class Monitor(ClosedOnExit):
     def push_window(self) -> None:
         """Open an anonymous window on top of the stack (Zeus ``push_window`` semantics)."""
         with self._stack_lock:
-            key = f"__stack_{len(self._stack)}_{id(self)}"
+            key = f"__stack_{len(self._stack)}_{self._stack_tag}"
             self.begin_window(key)
             self._stack.append(key)
 
@@ -574,12 +577,12 @@ class Monitor(ClosedOnExit):
         result = self.end_window(key)
         if exact:
             result.wait()
-        energies = result.gpu_energy
+        figures = result._current()
+        energies = figures.gpu_energy_j
         out = ProfilingResult(
             result.time, [energies.get(i, 0.0) for i in self.gpu_indices], result, self.gpu_indices
         )
-        if not result.done():
-            out._provisional = result.provisional
+        out._provisional = figures is result._provisional
         return out
 
     @property

@@ -135,3 +135,27 @@ def test_another_process_reads_the_board_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a zeus_async power board"):
         (tmp_path / "junk").write_bytes(b"\0" * 4096)
         BoardReader(tmp_path / "junk")
+
+
+def test_irregular_readings_are_found_wherever_the_edge_falls() -> None:
+    """Readings come late and early (a stalled sampler): the search that starts where regular
+    readings would be finds the same pair as a full scan, for edges anywhere in the ring."""
+    import random
+
+    rng = random.Random(5)
+    board = PowerBoard(["gpu:0"])
+    reader = board.reader()
+    points: list[tuple[int, float]] = []
+    t = T0
+    for _ in range(600):
+        t += int(rng.choice([10, 10, 10, 3, 60, 140]) * MS * rng.uniform(0.8, 1.2))
+        points.append((t, rng.uniform(70, 700)))
+        board.add("gpu:0", *points[-1])
+    kept = points[-(_FINE - 4) :]  # the fine ring's readable part
+    base = kept[0][0]
+    for _ in range(300):
+        a = rng.randrange(base, kept[-1][0])
+        b = rng.randrange(a, kept[-1][0] + 1)
+        got_a, got_b = reader.cumulative("gpu:0", a), reader.cumulative("gpu:0", b)
+        assert got_a is not None and got_b is not None
+        assert got_b[0] - got_a[0] == pytest.approx(_trapezoid(kept, a, b), rel=1e-9, abs=1e-9)

@@ -1,10 +1,11 @@
 """A tiny training run (a rank of a job, or alone) with zeus_async's framework callbacks.
 
-    python frameworks_job.py hf|lightning [optimizer]
+    python frameworks_job.py hf|lightning [optimizer] [late]
 
 Trains a linear model built in code (no downloads) for 24 steps, logging every 4, with the
 energy callback and, with ``optimizer``, the power-limit optimizer's callback on the same
-monitor (3 limits, 4 steps each). Prints one JSON line: what the framework logged, and the
+monitor (3 limits, 4 steps each), built before the process group or (``late``, HF) after it.
+Prints one JSON line: what the framework logged, and the
 optimizer's measurements and choice.
 """
 
@@ -22,6 +23,8 @@ import torch
 from zeus_async import Monitor
 
 STEPS, EVERY = 24, 4
+LATE = "late" in sys.argv[2:]
+GROUP_AT_BUILD: list[bool] = []
 OPTIMIZER = {"wait_steps": 1, "warmup_steps": 1, "profile_steps": 2, "pl_step": 250}
 
 
@@ -62,20 +65,26 @@ def hf(monitor: Monitor, optimizer: bool) -> tuple[list[dict[str, Any]], Any]:
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
             self.keys.append(sorted(logs or {}))
 
+    def arguments() -> TrainingArguments:
+        return TrainingArguments(
+            output_dir=tempfile.mkdtemp(),
+            max_steps=STEPS,
+            logging_steps=EVERY,
+            per_device_train_batch_size=4,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            disable_tqdm=True,
+        )
+
+    # The optimizer built before the arguments (which set up the process group) or after.
+    args = arguments() if LATE else None
+    GROUP_AT_BUILD.append(torch.distributed.is_initialized())
     callbacks: list[Any] = [Seen(), EnergyCallback(monitor)]
     opt = HFGlobalPowerLimitOptimizer(monitor, **OPTIMIZER) if optimizer else None
     if opt is not None:
         callbacks.append(opt)
-    args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(),
-        max_steps=STEPS,
-        logging_steps=EVERY,
-        per_device_train_batch_size=4,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
+    args = args or arguments()
     trainer = Trainer(Tiny(), args, train_dataset=Pairs(), callbacks=callbacks)
     trainer.train()
     seen = [k for k in Seen.keys if "loss" in k]
@@ -104,6 +113,7 @@ def lightning(monitor: Monitor, optimizer: bool) -> tuple[list[dict[str, Any]], 
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    GROUP_AT_BUILD.append(torch.distributed.is_initialized())  # Lightning: in fit()
     callbacks: list[Any] = [EnergyCallback(monitor)]
     opt = LightningPowerLimitOptimizer(monitor, **OPTIMIZER) if optimizer else None
     if opt is not None:
@@ -131,7 +141,11 @@ def main() -> None:
     torch.manual_seed(0)
     with Monitor() as monitor:
         history, opt = (hf if framework == "hf" else lightning)(monitor, optimizer)
-        out: dict[str, Any] = {"rank": int(os.environ.get("RANK", "0")), "history": history}
+        out: dict[str, Any] = {
+            "rank": int(os.environ.get("RANK", "0")),
+            "history": history,
+            "group_at_build": GROUP_AT_BUILD[0] if GROUP_AT_BUILD else False,
+        }
         if opt is not None:
             out["optimal"] = opt.wait_done(timeout=20)
             out["measurements"] = msgspec.to_builtins(opt.measurements)

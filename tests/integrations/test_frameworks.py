@@ -73,10 +73,17 @@ def test_lightning_logged_metrics_carry_energy() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("framework", "world_size"), [("hf", 4), ("lightning", 2)])
-def test_ranks_log_the_jobs_figures_and_decide_alike(framework: str, world_size: int) -> None:
-    outs = _run(framework, "optimizer", world_size=world_size)
+@pytest.mark.parametrize(
+    ("framework", "world_size", "order"),
+    [("hf", 4, "early"), ("hf", 2, "late"), ("lightning", 2, "early")],
+)
+def test_ranks_log_the_jobs_figures_and_decide_alike(
+    framework: str, world_size: int, order: str
+) -> None:
+    outs = _run(framework, "optimizer", order, world_size=world_size)
     assert [o["rank"] for o in outs] == list(range(world_size))
+    # The callbacks were built before the process group existed, or after.
+    assert all(o["group_at_build"] == (order == "late") for o in outs)
     first = outs[0]
     logs = _energy_logs(first["history"])
     assert any(logs)

@@ -200,25 +200,48 @@ class BoardReader:
                 return t, cum, watts
         return None
 
-    def _bracket(self, base: int, count: int, t_ns: int, coarse: bool) -> _Bracket | None:
-        """The readings of one ring around ``t_ns``: ``None`` when it starts after ``t_ns``
-        (or was overwritten meanwhile)."""
-        buf, unpack = self._map, _ENTRY.unpack_from
+    def _bracket(
+        self, base: int, count: int, t_ns: int, coarse: bool, newest_ns: int = 0, step: int = 0
+    ) -> _Bracket | None:
+        """The readings of one ring around ``t_ns``, which is before its newest reading:
+        ``None`` when the ring starts after ``t_ns`` (or was overwritten meanwhile). With the
+        newest reading's time and the typical interval, the first probe is where regular
+        readings would put ``t_ns`` (two probes, usually); then it bisects."""
+        buf, unpack, size = self._map, _ENTRY.unpack_from, _ENTRY.size
         length = self._coarse if coarse else self._fine
-        start = base + _HEAD.size + (self._fine * _ENTRY.size if coarse else 0)
+        start = base + _HEAD.size + (self._fine * size if coarse else 0)
         lo, hi = max(0, count - length + _MARGIN), count - 1
         if hi - lo < 1:
             return None
-        first = unpack(buf, start + (lo % length) * _ENTRY.size)
-        if first[0] != lo or first[4] != lo or first[1] > t_ns:
-            return None
-        last = unpack(buf, start + (hi % length) * _ENTRY.size)
-        if last[0] != hi or last[4] != hi:
-            return None
-        # Bisect on entry numbers: first has t <= t_ns, last has t > t_ns (the caller knows).
+        first: tuple[int, int, float, float, int] | None = None
+        last: tuple[int, int, float, float, int] | None = None
+        if step > 0 and newest_ns > t_ns:
+            guess = min(max(hi - 1 - (newest_ns - t_ns) // step, lo), hi - 1)
+            entry = unpack(buf, start + (guess % length) * size)
+            if entry[0] != guess or entry[4] != guess:
+                return None
+            if entry[1] <= t_ns:
+                lo, first = guess, entry
+                after = unpack(buf, start + ((guess + 1) % length) * size)
+                if after[0] != guess + 1 or after[4] != guess + 1:
+                    return None
+                if after[1] > t_ns:
+                    return entry[1], entry[2], entry[3], after[1], after[2], after[3]
+                lo, first = guess + 1, after
+            else:
+                hi, last = guess, entry
+        if first is None:
+            first = unpack(buf, start + (lo % length) * size)
+            if first[0] != lo or first[4] != lo or first[1] > t_ns:
+                return None
+        if last is None:
+            last = unpack(buf, start + (hi % length) * size)
+            if last[0] != hi or last[4] != hi:
+                return None
+        # Bisect on entry numbers: first has t <= t_ns, last has t > t_ns.
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            entry = unpack(buf, start + (mid % length) * _ENTRY.size)
+            entry = unpack(buf, start + (mid % length) * size)
             if entry[0] != mid or entry[4] != mid:
                 return None
             if entry[1] <= t_ns:
@@ -247,7 +270,7 @@ class BoardReader:
                 beyond = t_ns - t_n
                 late = typical > 0 and beyond > LATE_FACTOR * typical
                 return cum_n + p_n * beyond / 1e9, p_n * beyond / 1e9, True, late
-            pair = self._bracket(base, count, t_ns, False)
+            pair = self._bracket(base, count, t_ns, False, t_n, typical)
             coarse = pair is None
             if pair is None:
                 pair = self._bracket(base, coarse_count, t_ns, True)

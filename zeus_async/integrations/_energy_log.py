@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from ..aggregate.windows import WindowResult
     from ..monitor import Monitor
 
-__all__ = ["EnergyLog"]
+__all__ = ["EnergyCallbackBase", "EnergyLog"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,3 +105,21 @@ class EnergyLog:
         """Summed over the ranks (energies, and powers each over its rank's own time)."""
         ranks = collectives() if self.job else None
         return values if ranks is None else ranks.sums(values)
+
+
+class EnergyCallbackBase:
+    """What both frameworks' callbacks share: an :class:`EnergyLog` (``.energy``) built from
+    the same arguments. A subclass names its framework's callback class after this one and
+    sets ``_missing``/``_missing_error`` when that framework is not available."""
+
+    _missing: str = ""
+    _missing_error: BaseException | None = None
+
+    def __init__(
+        self, monitor: Monitor | None = None, *, job: bool = True, prefix: str = ""
+    ) -> None:
+        if self._missing:
+            raise ImportError(self._missing) from self._missing_error
+        super().__init__()
+        #: The interval windows behind the figures.
+        self.energy = EnergyLog(monitor, job=job, prefix=prefix)

@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..optimizer import integrations
-from ._energy_log import EnergyLog
-
-if TYPE_CHECKING:
-    from ..monitor import Monitor
+from ._energy_log import EnergyCallbackBase
 
 __all__ = ["EnergyCallback"]
 
@@ -30,7 +27,7 @@ _Base, _base_error = integrations.base_class(("transformers",), "TrainerCallback
 MISSING = "EnergyCallback needs transformers: pip install 'zeus_async[hf]'"
 
 
-class EnergyCallback(_Base):  # type: ignore[misc,valid-type]
+class EnergyCallback(EnergyCallbackBase, _Base):  # type: ignore[misc,valid-type]
     """A ``TrainerCallback`` adding GPU energy to every log of the Trainer.
 
     At each logging step (``logging_steps``) the logs get ``gpu_energy_j``, ``gpu_power_w``
@@ -48,14 +45,8 @@ class EnergyCallback(_Base):  # type: ignore[misc,valid-type]
         ImportError: ``transformers`` is not installed.
     """
 
-    def __init__(
-        self, monitor: Monitor | None = None, *, job: bool = True, prefix: str = ""
-    ) -> None:
-        if _base_error is not None:
-            raise ImportError(MISSING) from _base_error
-        super().__init__()
-        #: The interval windows behind the figures.
-        self.energy = EnergyLog(monitor, job=job, prefix=prefix)
+    _missing = "" if _base_error is None else MISSING
+    _missing_error = _base_error
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Training starts: the first interval opens."""

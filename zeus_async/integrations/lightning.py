@@ -12,13 +12,10 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..optimizer import integrations
-from ._energy_log import EnergyLog
-
-if TYPE_CHECKING:
-    from ..monitor import Monitor
+from ._energy_log import EnergyCallbackBase
 
 __all__ = ["EnergyCallback"]
 
@@ -29,7 +26,7 @@ _Base, _base_error = integrations.base_class(("lightning.pytorch", "pytorch_ligh
 MISSING = "EnergyCallback needs lightning: pip install 'zeus_async[lightning]'"
 
 
-class EnergyCallback(_Base):  # type: ignore[misc,valid-type]
+class EnergyCallback(EnergyCallbackBase, _Base):  # type: ignore[misc,valid-type]
     """A Lightning ``Callback`` logging GPU energy through the module's ``self.log``.
 
     Every ``log_every_n_steps`` training steps it logs ``gpu_energy_j``, ``gpu_power_w``
@@ -46,14 +43,8 @@ class EnergyCallback(_Base):  # type: ignore[misc,valid-type]
         ImportError: Lightning is not installed.
     """
 
-    def __init__(
-        self, monitor: Monitor | None = None, *, job: bool = True, prefix: str = ""
-    ) -> None:
-        if _base_error is not None:
-            raise ImportError(MISSING) from _base_error
-        super().__init__()
-        #: The interval windows behind the figures.
-        self.energy = EnergyLog(monitor, job=job, prefix=prefix)
+    _missing = "" if _base_error is None else MISSING
+    _missing_error = _base_error
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.energy.start()
