@@ -15,41 +15,17 @@ from __future__ import annotations
 
 import random
 
-from zeus_async.aggregate.history import DeviceHistory
-
-MS = 1_000_000
+from zeus_async.testing.stalled import short_windows
 
 
 def run(stall_share: float, stall_max_ms: float, square: bool, streams: int = 100) -> None:
     rng = random.Random(2)
     stats: dict[bool, list[tuple[float, bool]]] = {True: [], False: []}
     for _ in range(streams):
-        phase = rng.uniform(0, 100 * MS)
-
-        def power(t: float) -> float:
-            return 70.0 if not square or (t // (85 * MS)) % 2 == 0 else 300.0
-
-        def energy(t: float) -> float:
-            if not square:
-                return 70.0 * t / 1e9
-            n = int(t // (85 * MS))
-            full = sum(70.0 if k % 2 == 0 else 300.0 for k in range(n)) * 0.085
-            return full + power(t) * (t - n * 85 * MS) / 1e9
-
-        h = DeviceHistory("gpu:0")
-        t = 0
-        while t < 3_000 * MS:
-            stalled = rng.random() < stall_share
-            gap = rng.uniform(20, stall_max_ms) * MS if stalled else 10 * MS
-            t += int(gap * rng.uniform(0.8, 1.3))
-            k = int((t - phase) // (100 * MS))
-            update = phase + k * 100 * MS
-            h.add(t, power(t - 5 * MS), 1000.0 + (energy(update) if k >= 0 else 0.0))
-        for _ in range(30):
-            t0 = int(rng.uniform(1_000, 2_500) * MS)
-            t1 = t0 + int(rng.uniform(2, 5) * MS)
-            est = h.energy(t0, t1)
-            truth = energy(t1) - energy(t0)
+        windows = short_windows(
+            rng, 30, stall_share=stall_share, stall_max_ms=stall_max_ms, square=square
+        )
+        for est, truth in windows:
             assert est.energy_j is not None
             err = abs(est.energy_j - truth)
             stats[est.method.endswith(", late")].append((err / truth, err <= est.error_j + 1e-9))

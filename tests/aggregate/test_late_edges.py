@@ -9,50 +9,15 @@ from collections.abc import Iterator
 import pytest
 
 from zeus_async.aggregate.history import DeviceHistory, EnergyEstimate
+from zeus_async.testing.stalled import short_windows
 
 MS = 1_000_000
-PERIOD = 100 * MS
-
-
-def _stream(
-    seed: int, *, stall_share: float, stall_max_ms: float, square: bool
-) -> tuple[DeviceHistory, float, object]:
-    """A 100 ms counter and 10 ms reads with jitter, some reads stalled; the power is
-    constant or a 70/300 W square wave (85 ms halves), its readings 5 ms behind."""
-    rng = random.Random(seed)
-    phase = rng.uniform(0, PERIOD)
-
-    def power(t: float) -> float:
-        return 70.0 if not square or (t // (85 * MS)) % 2 == 0 else 300.0
-
-    def energy(t: float) -> float:  # exact integral from 0
-        if not square:
-            return 70.0 * t / 1e9
-        n = int(t // (85 * MS))
-        full = sum(70.0 if k % 2 == 0 else 300.0 for k in range(n)) * 0.085
-        return full + power(t) * (t - n * 85 * MS) / 1e9
-
-    h = DeviceHistory("gpu:0")
-    t = 0
-    while t < 3_000 * MS:
-        gap = 10 * MS if rng.random() > stall_share else rng.uniform(20, stall_max_ms) * MS
-        t += int(gap * rng.uniform(0.8, 1.3))
-        k = int((t - phase) // PERIOD)
-        update = phase + k * PERIOD
-        h.add(t, power(t - 5 * MS), 1000.0 + (energy(update) if k >= 0 else 0.0))
-    return h, phase, energy
 
 
 def _short_windows(
-    seed: int, count: int, **stream: object
+    seed: int, count: int, **stream: bool | float
 ) -> Iterator[tuple[EnergyEstimate, float]]:
-    """``count`` random 2-5 ms windows of one stream: each figure, and the truth."""
-    h, _, energy = _stream(seed, **stream)  # type: ignore[arg-type]
-    rng = random.Random(seed)
-    for _ in range(count):
-        t0 = int(rng.uniform(1_000, 2_500) * MS)
-        t1 = t0 + int(rng.uniform(2, 5) * MS)
-        yield h.energy(t0, t1), energy(t1) - energy(t0)  # type: ignore[operator]
+    return short_windows(random.Random(seed), count, **stream)
 
 
 def test_short_windows_split_counter_periods_by_the_power_readings() -> None:
