@@ -8,6 +8,9 @@ writer), ``generate_latest(registry)`` (prometheus_client formatting the same co
 comparison) and a real HTTP GET of ``/metrics`` from ``serve()`` with urllib. Also times
 ``add()`` for one batch of 8 GPU samples and for one period of process samples.
 
+Then the same node under dcgm-exporter's names (``names="dcgm"``), and the series and memory
+the exporter holds after 10,000 distinct window names, with the default cap and without one.
+
 Run: ``.venv/bin/python bench/bench_exporter.py [--repeat N] [--json PATH]``.
 """
 
@@ -200,9 +203,70 @@ def main() -> int:
         f"samples (all fields); {out['add_process_us_per_event']:.2f} µs/event for a batch of "
         f"{len(procs)} process samples"
     )
+    out["dcgm"] = dcgm_scrape(args.repeat)
+    d = out["dcgm"]
+    print(
+        f"\nWith dcgm-exporter's names (`names='dcgm'`, same node, {d['series']:,} series): "
+        f"render() median {d['render_ms']:.2f} ms, HTTP GET median {d['http_ms']:.2f} ms"
+    )
+    out["windows"] = window_names(10_000)
+    print("\n| 10,000 distinct window names, 8 GPUs each | window series | exporter memory MB |")
+    print("|---|---:|---:|")
+    for label, key in (("capped (default max_windows=1000)", "capped"), ("uncapped", "uncapped")):
+        w = out["windows"][key]
+        print(f"| {label} | {w['series']:,} | {w['mb']:.1f} |")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 0
+
+
+def dcgm_scrape(repeat: int) -> dict[str, float]:
+    """The same node exported under dcgm-exporter's names: render() and an HTTP GET."""
+    from zeus_async.events import DeviceInfo, StreamInfo
+
+    exporter = PrometheusExporter(names="dcgm")
+    devices = [
+        DeviceInfo(f"gpu:{g}", "NVIDIA H100 80GB HBM3", uuid=f"GPU-{g:08x}") for g in range(GPUS)
+    ]
+    exporter.add([StreamInfo(HOST, T0, "s", devices=devices)])
+    exporter.add(gpu_samples(T0) + other_samples(T0) + process_samples(T0))
+    body = exporter.render()
+    port = exporter.serve(0)
+    url = f"http://127.0.0.1:{port}/metrics"
+
+    def http_get() -> None:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            assert len(resp.read()) == len(body)
+
+    try:
+        http_get()
+        render = statistics.median(timings_ms(repeat, exporter.render))
+        http = statistics.median(timings_ms(repeat, http_get))
+    finally:
+        exporter.close()
+    series = sum(1 for line in body.splitlines() if not line.startswith(b"#"))
+    return {"series": series, "render_ms": render, "http_ms": http}
+
+
+def window_names(count: int) -> dict[str, dict[str, float]]:
+    """Series and memory after ``count`` distinct window names, capped and not."""
+    import tracemalloc
+
+    out = {}
+    for key, cap in (("capped", 1000), ("uncapped", 10**9)):
+        tracemalloc.start()
+        exporter = PrometheusExporter(max_windows=cap)
+        for k in range(count):
+            t = T0 + k * 1_000_000
+            energies = {g: 1.5 for g in range(GPUS)}
+            exporter.add([Measurement(HOST, t, f"step-{k}", k, t - 10**9, t, 1.0, energies)])
+        body = exporter.render()
+        mb = tracemalloc.get_traced_memory()[0] / 1e6
+        tracemalloc.stop()
+        series = sum(1 for line in body.splitlines() if line.startswith(b"zeus_window"))
+        out[key] = {"series": series, "mb": mb}
+        exporter.close()
+    return out
 
 
 if __name__ == "__main__":

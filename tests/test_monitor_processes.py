@@ -63,8 +63,15 @@ def test_monitor_tracks_this_process_and_serves_prometheus(tmp_path: Path, sampl
             time.sleep(0.1)
         assert key in values, sorted({name for name, _ in values})
         # The only process on the simulated GPU: all its power is attributed to us.
-        gpu_power = values[("zeus_gpu_power_watts", (("gpu", "1"), ("host", os.uname().nodename)))]
+        (gpu_labels, gpu_power), *_ = [
+            (dict(labels), v)
+            for (name, labels), v in values.items()
+            if name == "zeus_gpu_power_watts" and ("gpu", "1") in labels
+        ]
         assert values[key] > 0.5 * gpu_power
+        # The stream described the GPU: dcgm-exporter's identifying labels are on it too.
+        assert gpu_labels["host"] == gpu_labels["Hostname"] == os.uname().nodename
+        assert gpu_labels["UUID"].startswith("GPU-") and gpu_labels["modelName"]
         mon.begin_window("w")
         mon.end_window("w")
     reader = RecordingReader(path)

@@ -15,6 +15,7 @@ import anyio
 from ._cli_common import fmt_cell as _fmt
 from ._cli_common import until_stopped, wait_for_publisher
 from .events import Event, ProcessSample
+from .exporters.names import DEFAULT_PORT, NAME_SETS
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,23 @@ class ProcessTable:
 # -- exporter -----------------------------------------------------------------------------------
 
 
+def add_prometheus_args(parser: Any, *, prefix: str) -> None:
+    """The bind address and the name set of a Prometheus endpoint (``--addr``/``--names``,
+    or ``--prometheus-addr``/``--prometheus-names`` beside other options)."""
+    parser.add_argument(
+        f"{prefix}addr",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="bind address of the metrics endpoint (default 127.0.0.1; 0.0.0.0: every interface)",
+    )
+    parser.add_argument(
+        f"{prefix}names",
+        choices=NAME_SETS,
+        default="native",
+        help="metric names: native (zeus_...) or dcgm (dcgm-exporter's, for its dashboards)",
+    )
+
+
 def add_exporter_parser(sub: Any, positive_float: Any, int_list: Any) -> None:
     exp = sub.add_parser(
         "exporter",
@@ -167,8 +185,13 @@ def add_exporter_parser(sub: Any, positive_float: Any, int_list: Any) -> None:
             "with --connect, exports the streams of running publishers (monitors, proxies)."
         ),
     )
-    exp.add_argument("--port", type=int, default=9400, help="HTTP port (default 9400)")
-    exp.add_argument("--addr", default="127.0.0.1", help="bind address (0.0.0.0: all)")
+    exp.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"HTTP port (default {DEFAULT_PORT}; dcgm-exporter's is 9400)",
+    )
+    add_prometheus_args(exp, prefix="--")
     exp.add_argument(
         "--connect",
         nargs="+",
@@ -207,6 +230,7 @@ async def run_exporter(args: argparse.Namespace, out: TextIO, sim_config: Any) -
             processes=tracking,
             prometheus_port=args.port,
             prometheus_addr=args.addr,
+            prometheus_names=args.names,
         ) as rt:
             out.write(
                 f"zeus-async exporter: http://{args.addr}:{rt.prometheus_port}/metrics "
@@ -236,7 +260,7 @@ async def _export_streams(args: argparse.Namespace, out: TextIO) -> int:
     from .bus import Subscriber
     from .exporters.prometheus import PrometheusExporter
 
-    with PrometheusExporter() as exporter:
+    with PrometheusExporter(names=args.names) as exporter:
         port = exporter.serve(args.port, args.addr)
         async with Subscriber(args.connect, topics=[""]) as sub:
             await wait_for_publisher(sub, args.connect, args.wait)

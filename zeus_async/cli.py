@@ -154,8 +154,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     mon.add_argument("--sim-config", default=None, help="simulator config: JSON text or file")
     mon.add_argument(
-        "--prometheus-port", type=int, default=None, help="also serve metrics to Prometheus"
+        "--prometheus-port",
+        type=int,
+        default=None,
+        help="also serve metrics to Prometheus on this port (0: any free one)",
     )
+    _cli_processes.add_prometheus_args(mon, prefix="--prometheus-")
     _cli_processes.add_process_args(mon)
 
     sbs = sub.add_parser("subscribe", help="print events from a publisher")
@@ -327,6 +331,8 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
             overwrite=args.force,
             processes=_cli_processes.tracking_from_args(args, child.pid if child else None),
             prometheus_port=args.prometheus_port,
+            prometheus_addr=args.prometheus_addr,
+            prometheus_names=args.prometheus_names,
         )
         tty = out.isatty()
         async with runtime as rt:
@@ -334,7 +340,7 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
             if args.record:
                 where += f", recording to {args.record}"
             if rt.prometheus_port is not None:
-                where += f", metrics on http://127.0.0.1:{rt.prometheus_port}/metrics"
+                where += f", metrics on http://{args.prometheus_addr}:{rt.prometheus_port}/metrics"
             if child is not None:
                 where += f", running {' '.join(command)} (pid {child.pid})"
             out.write(

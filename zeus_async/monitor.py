@@ -296,6 +296,10 @@ class Monitor(ClosedOnExit):
         prometheus_port: Serve the samples, process metrics and window energies on a
             Prometheus endpoint at this port (``0``: any free port, see
             :attr:`prometheus_port`).
+        prometheus_addr: The address it binds: loopback by default, ``0.0.0.0`` for every
+            interface (a Prometheus server on another machine).
+        prometheus_names: ``native`` metric names, or ``dcgm`` for dcgm-exporter's names,
+            units and labels on the GPU series (its Grafana dashboards work unchanged).
         agent: Where sampling runs with ``sampler="process"`` (``docs/agent.md``). ``None``
             (default): attach to the node agent when one runs (``zeus-async agent``) or when
             this is a torchrun rank (the first rank starts it), else start a private agent;
@@ -334,6 +338,8 @@ class Monitor(ClosedOnExit):
         input_size: Sequence[int] | None = None,
         meta: Mapping[str, str] | None = None,
         prometheus_port: int | None = None,
+        prometheus_addr: str = "127.0.0.1",
+        prometheus_names: str = "native",
         agent: str | bool | None = None,
         **runtime_options: Any,
     ) -> None:
@@ -417,6 +423,8 @@ class Monitor(ClosedOnExit):
                 processes=tracking,
                 meta=run_meta,
                 prometheus_port=prometheus_port,
+                prometheus_addr=prometheus_addr,
+                prometheus_names=prometheus_names,
                 **runtime_options,
             )
             #: Port of the Prometheus endpoint (``None`` without one).
@@ -443,6 +451,8 @@ class Monitor(ClosedOnExit):
                 processes=tracking,
                 meta=run_meta,
                 prometheus_port=prometheus_port,
+                prometheus_addr=prometheus_addr,
+                prometheus_names=prometheus_names,
                 **runtime_options,
             )
             self._embedded.start()

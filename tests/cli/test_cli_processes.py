@@ -82,18 +82,22 @@ def test_exporter_serves_sampled_metrics_and_a_monitor_stream() -> None:
         exporter.terminate()
         exporter.wait(timeout=20)
 
-    # --connect: export the stream of a running monitor.
+    # --connect: export the stream of a running monitor, under dcgm-exporter's names.
     pub, port = free_port(), free_port()
     monitor = popen("monitor", "--backend", "sim", "--cpus", "none", "--gpus", "0",
                     "--publish", f"tcp://127.0.0.1:{pub}", "--duration", "30")  # fmt: skip
     exporter = popen("exporter", "--connect", f"tcp://127.0.0.1:{pub}", "--port", str(port),
-                     "--duration", "30")  # fmt: skip
+                     "--duration", "30", "--names", "dcgm")  # fmt: skip
     try:
         deadline = time.monotonic() + 20
-        while "zeus_gpu_power_watts" not in (metrics := scrape(port)):
+        while "DCGM_FI_DEV_POWER_USAGE" not in (metrics := scrape(port)):
             assert time.monotonic() < deadline
             time.sleep(0.2)
-        assert [lab["gpu"] for lab, _ in metrics["zeus_gpu_power_watts"]] == ["0"]
+        ((labels, watts),) = metrics["DCGM_FI_DEV_POWER_USAGE"]
+        assert labels["gpu"] == "0" and labels["device"] == "nvidia0" and watts > 0
+        # The stream's description (sent to each new subscriber) names the GPU.
+        assert labels["UUID"].startswith("GPU-") and labels["modelName"].startswith("NVIDIA")
+        assert "zeus_gpu_power_watts" not in metrics
     finally:
         for p in (exporter, monitor):
             p.terminate()

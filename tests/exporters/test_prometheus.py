@@ -25,6 +25,7 @@ from zeus_async.devices.sim import SimConfig
 from zeus_async.errors import ConfigError
 from zeus_async.events import (
     DeviceFault,
+    DeviceInfo,
     Event,
     GpuSample,
     Heartbeat,
@@ -367,7 +368,7 @@ def test_collector_protocol_and_a_caller_registry() -> None:
 
     NoCollect()  # registers itself: describe() is enough
     described = PrometheusExporter().describe()
-    assert len(described) == 29 and not any(m.samples for m in described)
+    assert len(described) == 30 and not any(m.samples for m in described)
     registry = CollectorRegistry()
     other = Gauge("other_metric", "Something else.", registry=registry)
     other.set(3)
@@ -541,6 +542,94 @@ async def test_runtime_consumer_on_the_simulator() -> None:
     assert batched.events == plain.events > 0
 
 
+# -- dcgm-exporter names, identifying labels, bounded window series ------------------------------
+
+
+def stream_info(host: str = H, gpus: int = 2) -> StreamInfo:
+    devices = [
+        DeviceInfo(f"gpu:{g}", "NVIDIA H100 80GB HBM3", uuid=f"GPU-{g:08d}-abcd")
+        for g in range(gpus)
+    ]
+    return StreamInfo(host, T0, "s1", devices=devices)
+
+
+def test_dcgm_names_units_and_labels() -> None:
+    exporter = PrometheusExporter(names="dcgm")
+    exporter.add([stream_info(), full_gpu(T0, 0), full_gpu(T0, 1)])
+    got = scrape(exporter)
+    g0 = lab(
+        host=H,
+        gpu=0,
+        Hostname=H,
+        UUID="GPU-00000000-abcd",
+        device="nvidia0",
+        modelName="NVIDIA H100 80GB HBM3",
+    )
+    assert got["DCGM_FI_DEV_POWER_USAGE"][g0] == 312.5
+    # mJ, in a counter written as dcgm-exporter writes it (prometheus_client's parser adds
+    # _total when it reads one back; Prometheus keeps the name as written).
+    assert got["DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION_total"][g0] == 1_500_000.5 * 1e3
+    assert got["DCGM_FI_DEV_GPU_TEMP"][g0] == 61.0
+    assert got["DCGM_FI_DEV_SM_CLOCK"][g0] == pytest.approx(1980.0)  # MHz
+    assert got["DCGM_FI_DEV_GPU_UTIL"][g0] == 75.0  # %
+    assert got["DCGM_FI_DEV_FB_USED"][g0] == pytest.approx(72_000_000_000 / 2**20)  # MiB
+    assert got["DCGM_FI_DEV_POWER_MGMT_LIMIT"][g0] == 700.0
+    assert not any(name.startswith("zeus_gpu_") for name in got)
+    text = exporter.render().decode()
+    assert "# TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter" in text
+    assert 'DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{Hostname="node1",UUID="GPU-00000000-abcd"' in text
+
+
+def test_native_gpu_series_get_uuid_labels_once_described() -> None:
+    exporter = PrometheusExporter()
+    exporter.add([full_gpu(T0, 0)])  # before the stream's description
+    assert scrape(exporter)["zeus_gpu_power_watts"] == {lab(host=H, gpu=0): 312.5}
+    exporter.add([stream_info(gpus=1)])
+    described = lab(
+        host=H, gpu=0, Hostname=H, UUID="GPU-00000000-abcd", modelName="NVIDIA H100 80GB HBM3"
+    )
+    assert scrape(exporter)["zeus_gpu_power_watts"] == {described: 312.5}
+
+
+def test_window_names_are_capped_and_expire() -> None:
+    exporter = PrometheusExporter(max_windows=100, window_ttl_s=60)
+    for k in range(10_000):
+        t = T0 + k * 1_000_000
+        exporter.add([Measurement(H, t, f"step-{k}", k, t - S, t, 1.0, {0: 1.0, 1: 2.0})])
+    got = scrape(exporter)
+    # The 100 most recently finished names, with their per-device series, and nothing else.
+    names = {dict(labels)["window"] for labels in got["zeus_windows_total"]}
+    assert names == {f"step-{k}" for k in range(9_900, 10_000)}
+    assert len(got["zeus_window_last_energy_joules"]) == 200
+    assert got["zeus_exporter_evicted_series_total"] == {lab(kind="window"): 9_900.0}
+    assert exporter.evicted_windows == 9_900
+    # A name finished again moves to the back of the line.
+    t = T0 + 10_000 * 1_000_000
+    exporter.add([Measurement(H, t, "step-9900", 1, t - S, t, 1.0, {0: 1.0})])
+    exporter.add([Measurement(H, t, "new", 2, t - S, t, 1.0, {0: 1.0})])
+    names = {dict(labels)["window"] for labels in scrape(exporter)["zeus_windows_total"]}
+    assert "step-9900" in names and "step-9901" not in names and "new" in names
+    # Names idle for over window_ttl_s of the host's event time go at the next scrape.
+    later = t + 61 * S
+    exporter.add([Measurement(H, later, "fresh", 3, later - S, later, 1.0, {0: 1.0})])
+    names = {dict(labels)["window"] for labels in scrape(exporter)["zeus_windows_total"]}
+    assert names == {"fresh"}
+    assert len(scrape(exporter)["zeus_window_last_energy_joules"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"names": "datadog"}, "names must be one of native, dcgm"),
+        ({"max_windows": 0}, "max_windows must be at least 1"),
+        ({"window_ttl_s": 0}, "window_ttl_s must be positive"),
+    ],
+)
+def test_bad_exporter_options_are_config_errors(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        PrometheusExporter(**kwargs)  # type: ignore[arg-type]
+
+
 # -- against a real Prometheus server -------------------------------------------------------------
 
 
@@ -584,14 +673,18 @@ def test_a_real_prometheus_scrapes_the_exporter(tmp_path: Path) -> None:
             ProcessSample(H, T0, 4242, gpu=0, attributed_power_w=187.5),
         ]
     )
-    with exporter:
-        port = exporter.serve(0)
+    dcgm = PrometheusExporter(names="dcgm")  # the same GPUs under dcgm-exporter's names
+    dcgm.add([stream_info(), full_gpu(T0, 0), full_gpu(T0, 1)])
+    with exporter, dcgm:
+        port, dcgm_port = exporter.serve(0), dcgm.serve(0)
         web = free_port()
         config = tmp_path / "prometheus.yml"
         config.write_text(
             "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
             "scrape_configs:\n  - job_name: zeus\n    static_configs:\n"
             f"      - targets: ['127.0.0.1:{port}']\n"
+            "  - job_name: dcgm\n    static_configs:\n"
+            f"      - targets: ['127.0.0.1:{dcgm_port}']\n"
         )
         log = tmp_path / "prometheus.log"
         base = f"http://127.0.0.1:{web}"
@@ -639,8 +732,31 @@ def test_a_real_prometheus_scrapes_the_exporter(tmp_path: Path) -> None:
                 "instance": f"127.0.0.1:{port}",
                 "job": "zeus",
             }
-            (up,) = query("up")
-            assert isinstance(up["value"], list) and up["value"][1] == "1"
+            # Queries as NVIDIA's dcgm-exporter dashboard (Grafana 12239) writes them.
+            dashboard = {
+                'avg(DCGM_FI_DEV_GPU_TEMP{instance=~".+", gpu=~"0|1"})': 61.0,
+                'sum(DCGM_FI_DEV_POWER_USAGE{instance=~".+", gpu=~"0|1"})': 312.5 + 313.5,
+                'DCGM_FI_DEV_SM_CLOCK{gpu="0"} * 1000000': 1.98e9,
+                'DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{gpu="1"} / 1000': 1_500_000.5,
+                'DCGM_FI_DEV_GPU_UTIL{gpu="0"}': 75.0,
+            }
+            wait_for("the dcgm scrape", deadline, lambda: all(query(q) for q in dashboard), log)
+            for q, expected in dashboard.items():
+                (series,) = query(q)
+                assert float(series["value"][1]) == pytest.approx(expected), (q, series)  # type: ignore[index]
+            (power,) = query('DCGM_FI_DEV_POWER_USAGE{gpu="0"}')
+            assert power["metric"] == {
+                "__name__": "DCGM_FI_DEV_POWER_USAGE",
+                "gpu": "0",
+                "UUID": "GPU-00000000-abcd",
+                "device": "nvidia0",
+                "modelName": "NVIDIA H100 80GB HBM3",
+                "Hostname": H,
+                "host": H,
+                "instance": f"127.0.0.1:{dcgm_port}",
+                "job": "dcgm",
+            }
+            assert all(u["value"][1] == "1" for u in query("up"))  # type: ignore[index]
         finally:
             proc.terminate()
             try:

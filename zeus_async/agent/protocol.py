@@ -58,6 +58,7 @@ class AgentConfig(msgspec.Struct, frozen=True):
     meta: dict[str, str] = {}
     prometheus_port: int | None = None
     prometheus_addr: str = "127.0.0.1"
+    prometheus_names: str = "native"
     exit_when_idle_s: float | None = None
     #: Hold the node lock (``agent.lock``): exit with code 3 if another node agent holds it.
     node: bool = False

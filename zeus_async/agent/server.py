@@ -416,6 +416,7 @@ async def _run_runtime(
             meta=cfg.meta,
             prometheus_port=cfg.prometheus_port,
             prometheus_addr=cfg.prometheus_addr,
+            prometheus_names=cfg.prometheus_names,
         ) as rt:
             if cfg.log_file:
                 rank = cfg.meta.get("rank")

@@ -29,6 +29,19 @@ Metrics (prefix ``zeus_``, Prometheus base units, ``_total`` on counters; every 
   ``zeus_window_duration_seconds`` (latest window), ``zeus_window_energy_joules_total`` (all
   windows of that name), ``zeus_windows_total`` (windows finished).
 
+GPU series also carry dcgm-exporter's identifying labels, ``UUID``, ``modelName`` and
+``Hostname``, once a :class:`~zeus_async.events.StreamInfo` has described the GPU (the runtime
+publishes one at start; the bus sends it to each new subscriber). With ``names="dcgm"`` the GPU
+series take dcgm-exporter's names, units and labels instead (``DCGM_FI_DEV_POWER_USAGE`` W,
+``DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION`` mJ, ``DCGM_FI_DEV_GPU_TEMP`` C, ``DCGM_FI_DEV_SM_CLOCK``
+MHz, ``DCGM_FI_DEV_GPU_UTIL`` %, ``DCGM_FI_DEV_FB_USED`` MiB, ``DCGM_FI_DEV_POWER_MGMT_LIMIT``
+W; plus ``device="nvidiaN"``), so dashboards built for it work unchanged.
+
+Window names are label values, so they are bounded: at most ``max_windows`` names (the least
+recently finished one makes room), and a name whose last window is older than
+``window_ttl_s`` of its host's stream time is dropped at the next scrape;
+``zeus_exporter_evicted_series_total{kind="window"|"process"}`` counts what was dropped.
+
 A field a device never reported is not exported, and a sample whose field is ``None`` leaves
 the last known value in place. Process series whose last sample is older than ``stale_after_s``
 (in event time, against the newest event of the same host) are dropped at the next scrape.
@@ -62,10 +75,12 @@ from prometheus_client.samples import Sample
 from .._exit import ClosedOnExit
 from ..devices.base import GPU_FIELDS
 from ..errors import ConfigError
-from ..events import Event, GpuSample, Measurement, ProcessSample, RaplSample
+from ..events import Event, GpuSample, Measurement, ProcessSample, RaplSample, StreamInfo
 from ..runtime.hub import EventBatches
+from .names import DEFAULT_PORT, NAME_SETS
 
-__all__ = ["PrometheusExporter"]
+__all__ = ["DEFAULT_PORT", "NAME_SETS", "PrometheusExporter"]
+
 
 logger = logging.getLogger(__name__)
 
@@ -88,13 +103,16 @@ class _Family(NamedTuple):
     help: str
     parts: tuple[tuple[int, int], ...]
     header: str  # the "# HELP" and "# TYPE" lines of the text format
+    scale: float = 1.0  # exported value = stored value x scale (DCGM's units)
 
 
-def _family(name: str, kind: str, unit: str, help: str, *parts: tuple[int, int]) -> _Family:
+def _family(
+    name: str, kind: str, unit: str, help: str, *parts: tuple[int, int], scale: float = 1.0
+) -> _Family:
     family = name.removesuffix("_total") if kind == "counter" else name
     doc = help.replace("\\", r"\\").replace("\n", r"\n")
     header = f"# HELP {name} {doc}\n# TYPE {name} {kind}\n"
-    return _Family(name, family, kind, unit, help, parts, header)
+    return _Family(name, family, kind, unit, help, parts, header, scale)
 
 
 def _gauge(name: str, unit: str, help: str, index: int) -> _Family:
@@ -130,6 +148,45 @@ _GPU_FAMILIES: Final = (
     ),
     _gauge("zeus_gpu_memory_used_bytes", "bytes", "GPU memory in use, in bytes.", 6),
     _gauge("zeus_gpu_power_limit_watts", "watts", "GPU power limit in force, in watts.", 7),
+)
+
+#: The same GPU fields under dcgm-exporter's names, units and types (``names="dcgm"``), so
+#: dashboards made for it (Grafana 12239) work unchanged. Its energy counter has no ``_total``.
+_DCGM_FAMILIES: Final = (
+    _family("DCGM_FI_DEV_POWER_USAGE", "gauge", "", "Power draw (in W).", (0, 0)),
+    _family(
+        "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+        "counter",
+        "",
+        "Total energy consumption since boot (in mJ).",
+        (2, 0),
+        scale=1e3,
+    ),
+    _family("DCGM_FI_DEV_GPU_TEMP", "gauge", "", "GPU temperature (in C).", (3, 0)),
+    _family(
+        "DCGM_FI_DEV_SM_CLOCK", "gauge", "", "SM clock frequency (in MHz).", (4, 0), scale=1e-6
+    ),
+    _family("DCGM_FI_DEV_GPU_UTIL", "gauge", "", "GPU utilization (in %).", (5, 0), scale=100.0),
+    _family(
+        "DCGM_FI_DEV_FB_USED",
+        "gauge",
+        "",
+        "Framebuffer memory used (in MiB).",
+        (6, 0),
+        scale=1 / 2**20,
+    ),
+    _family("DCGM_FI_DEV_POWER_MGMT_LIMIT", "gauge", "", "Power management limit (in W).", (7, 0)),
+)
+
+_EXPORTER_FAMILIES: Final = (
+    _family(
+        "zeus_exporter_evicted_series_total",
+        "counter",
+        "",
+        "Series dropped by the exporter: window names past the cap or idle past the TTL "
+        "(kind=window), processes gone stale (kind=process).",
+        (0, 0),
+    ),
 )
 
 _RAPL_FIELDS: Final = ("power_w", "energy_j")
@@ -372,14 +429,18 @@ class PrometheusExporter(ClosedOnExit):
         registry: Register in this registry instead of a private one. The fast text path
             (:meth:`render`, :meth:`serve`) then leaves formatting to prometheus_client, since
             the registry may hold other collectors.
+        names: ``native`` or ``dcgm`` (see the module docstring).
+        max_windows: Most window names kept.
+        window_ttl_s: Seconds of stream time after which an idle window name is dropped.
 
     Raises:
-        ConfigError: ``stale_after_s`` is not positive.
+        ConfigError: ``stale_after_s`` or ``window_ttl_s`` is not positive, ``max_windows`` is
+            below 1, or ``names`` is not a known name set.
 
     Example::
 
         exporter = PrometheusExporter()
-        port = exporter.serve(9400)
+        port = exporter.serve(DEFAULT_PORT)
         async with Runtime() as rt:
             rt.start_consumer(exporter.run, batched=True)
             ...
@@ -387,12 +448,31 @@ class PrometheusExporter(ClosedOnExit):
     """
 
     def __init__(
-        self, *, stale_after_s: float = 30.0, registry: CollectorRegistry | None = None
+        self,
+        *,
+        stale_after_s: float = 30.0,
+        registry: CollectorRegistry | None = None,
+        names: str = "native",
+        max_windows: int = 1000,
+        window_ttl_s: float = 3600.0,
     ) -> None:
         if not stale_after_s > 0:
             raise ConfigError(f"stale_after_s must be positive, got {stale_after_s!r}")
+        if names not in NAME_SETS:
+            raise ConfigError(f"names must be one of {', '.join(NAME_SETS)}, not {names!r}")
+        if max_windows < 1:
+            raise ConfigError(f"max_windows must be at least 1, got {max_windows!r}")
+        if not window_ttl_s > 0:
+            raise ConfigError(f"window_ttl_s must be positive, got {window_ttl_s!r}")
         self.stale_after_s = stale_after_s
         self._stale_ns = round(stale_after_s * 1e9)
+        self.names = names
+        self.max_windows = max_windows
+        self._window_ttl_ns = round(window_ttl_s * 1e9)
+        # (host, GPU index) -> (UUID, model name), from StreamInfo events.
+        self._gpu_info: dict[tuple[str, int], tuple[str, str]] = {}
+        # Evicted series by kind (window, process): one row each.
+        self._evictions: dict[str, _Row] = {}
         self._lock = threading.Lock()
         self._gpus: dict[tuple[str, int], _Row] = {}
         self._rapl: dict[tuple[str, int, str], _Row] = {}
@@ -401,12 +481,13 @@ class PrometheusExporter(ClosedOnExit):
         self._windows: dict[tuple[str, str], _Row] = {}
         self._window_devices: dict[tuple[str, str, str], _Row] = {}
         self._tables: tuple[tuple[dict[Any, _Row], tuple[_Family, ...]], ...] = (
-            (self._gpus, _GPU_FAMILIES),
+            (self._gpus, _DCGM_FAMILIES if names == "dcgm" else _GPU_FAMILIES),
             (self._rapl, _RAPL_FAMILIES),
             (self._procs, _PROC_FAMILIES),
             (self._proc_gpus, _PROC_GPU_FAMILIES),
             (self._window_devices, _WINDOW_DEVICE_FAMILIES),
             (self._windows, _WINDOW_FAMILIES),
+            (self._evictions, _EXPORTER_FAMILIES),
         )
         self._own_registry = registry is None
         self.registry: CollectorRegistry = registry if registry is not None else CollectorRegistry()
@@ -417,6 +498,8 @@ class PrometheusExporter(ClosedOnExit):
         self.events = 0
         #: Process series dropped as stale so far.
         self.evicted = 0
+        #: Window names dropped so far (past ``max_windows``, or idle past ``window_ttl_s``).
+        self.evicted_windows = 0
 
     # -- feeding ---------------------------------------------------------------------------------
 
@@ -442,6 +525,8 @@ class PrometheusExporter(ClosedOnExit):
                     self._add_rapl(e)
                 elif type(e) is Measurement:
                     self._add_measurement(e)
+                elif type(e) is StreamInfo:
+                    self._add_stream(e)
             self.events += n
 
     async def run(self, stream: EventBatches | anyio.abc.ObjectReceiveStream[Event]) -> None:
@@ -458,10 +543,37 @@ class PrometheusExporter(ClosedOnExit):
             async for event in stream:
                 self.add((event,))
 
+    def _gpu_labels(self, host: str, gpu: int) -> dict[str, str]:
+        """A GPU's labels: ``host`` and ``gpu``, and once a stream has described it
+        dcgm-exporter's ``UUID``, ``modelName`` and ``Hostname`` (plus ``device`` with the
+        DCGM names), so that queries can join the two exporters' series."""
+        labels = {"host": host, "gpu": str(gpu)}
+        info = self._gpu_info.get((host, gpu))
+        if info is not None:
+            labels.update(UUID=info[0], modelName=info[1], Hostname=host)
+        if self.names == "dcgm":
+            labels["device"] = f"nvidia{gpu}"
+            labels.setdefault("Hostname", host)
+        return labels
+
     def _new_gpu(self, e: GpuSample) -> _Row:
-        labels = _labels({"host": e.host, "gpu": str(e.gpu)})
+        labels = _labels(self._gpu_labels(e.host, e.gpu))
         row = self._gpus[(e.host, e.gpu)] = _Row(labels, len(_GPU_FIELDS), e.t_ns)
         return row
+
+    def _add_stream(self, e: StreamInfo) -> None:
+        for device in e.devices:
+            kind, _, index = device.key.partition(":")
+            if kind != "gpu" or not index.isdigit():
+                continue
+            key = (e.host, int(index))
+            info = (device.uuid, device.name)
+            if self._gpu_info.get(key) == info:
+                continue
+            self._gpu_info[key] = info
+            row = self._gpus.get(key)
+            if row is not None:  # described after its first sample: relabel it
+                row.labels, row.texts = _labels(self._gpu_labels(*key))
 
     def _add_rapl(self, e: RaplSample) -> None:
         key = (e.host, e.package, e.domain)
@@ -500,10 +612,13 @@ class PrometheusExporter(ClosedOnExit):
 
     def _add_measurement(self, e: Measurement) -> None:
         key = (e.host, e.name)
-        row = self._windows.get(key)
+        row = self._windows.pop(key, None)
         if row is None:
+            if len(self._windows) >= self.max_windows:
+                # The least recently finished name makes room (the dict is in that order).
+                self._drop_window(next(iter(self._windows)))
             row = _Row(_labels({"host": e.host, "window": e.name}), 2, e.t_ns)
-            self._windows[key] = row
+        self._windows[key] = row  # last: the most recently finished
         row.t_ns = e.t_ns
         row.values[0] = e.time_s
         row.values[1] = (row.values[1] or 0) + 1
@@ -523,12 +638,27 @@ class PrometheusExporter(ClosedOnExit):
                 drow.values[0] = joules
                 drow.values[1] = (drow.values[1] or 0.0) + joules
 
+    def _drop_window(self, key: tuple[str, str]) -> None:
+        """Forget a window name and its per-device series (counted as evicted)."""
+        del self._windows[key]
+        for dkey in [k for k in self._window_devices if k[:2] == key]:
+            del self._window_devices[dkey]
+        self.evicted_windows += 1
+        self._count_eviction("window", 1)
+
+    def _count_eviction(self, kind: str, n: int) -> None:
+        row = self._evictions.get(kind)
+        if row is None:
+            row = self._evictions[kind] = _Row(_labels({"kind": kind}), 1, 0)
+            row.values[0] = 0
+        row.values[0] = (row.values[0] or 0) + n
+
     # -- scraping --------------------------------------------------------------------------------
 
     def _evict_stale(self) -> None:
         """Drop process rows older than ``stale_after_s`` than their host's newest event."""
         newest: dict[str, int] = {}
-        for table, _ in self._tables:
+        for table, _ in self._tables[:-1]:  # the last table (evictions) has no host
             for row in table.values():
                 host = row.labels[0]["host"]
                 latest = newest.get(host)
@@ -542,12 +672,16 @@ class PrometheusExporter(ClosedOnExit):
                 del procs[k]
             if stale:
                 self.evicted += len(stale)
+                self._count_eviction("process", len(stale))
                 logger.debug("dropped %d stale process series", len(stale))
+        ttl = self._window_ttl_ns
+        for key in [k for k, row in self._windows.items() if newest[k[0]] - row.t_ns > ttl]:
+            self._drop_window(key)
 
     def _snapshot(self) -> _Snapshot:
         """Evict stale processes and copy every row's values: the only work under the lock."""
         with self._lock:
-            if self._procs or self._proc_gpus:
+            if self._procs or self._proc_gpus or self._windows:
                 self._evict_stale()
             return [
                 (families, [(row, row.values.copy()) for row in table.values()])
@@ -573,8 +707,9 @@ class PrometheusExporter(ClosedOnExit):
         for families, rows in self._snapshot():
             for fam in families:
                 name = fam.name
+                scale = fam.scale
                 samples = [
-                    new(Sample, (name, row.labels[variant], value, None, None, None))
+                    new(Sample, (name, row.labels[variant], value * scale, None, None, None))
                     for row, values in rows
                     for index, variant in fam.parts
                     if (value := values[index]) is not None
@@ -597,9 +732,9 @@ class PrometheusExporter(ClosedOnExit):
         out: list[str] = []
         for families, rows in self._snapshot():
             for fam in families:
-                pre = fam.name + "{"
+                pre, scale = fam.name + "{", fam.scale
                 lines = [
-                    f"{pre}{row.texts[variant]}}} {fmt(value)}\n"
+                    f"{pre}{row.texts[variant]}}} {fmt(value * scale)}\n"
                     for row, values in rows
                     for index, variant in fam.parts
                     if (value := values[index]) is not None

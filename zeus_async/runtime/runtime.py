@@ -142,6 +142,8 @@ class Runtime:
             at this port while the runtime runs (``0``: any free port; the bound one is
             :attr:`prometheus_port`).
         prometheus_addr: Address it binds (default loopback; ``0.0.0.0`` for every interface).
+        prometheus_names: Its metric names: ``native`` (``zeus_gpu_power_watts``...) or
+            ``dcgm`` (dcgm-exporter's ``DCGM_FI_DEV_POWER_USAGE``... for the GPU series).
         meta: Run metadata, in the recording header (``record``) and the
             :class:`~zeus_async.events.StreamInfo` event.
     """
@@ -173,6 +175,7 @@ class Runtime:
         meta: Mapping[str, str] | None = None,
         prometheus_port: int | None = None,
         prometheus_addr: str = "127.0.0.1",
+        prometheus_names: str = "native",
     ) -> None:
         if not period_s > 0:
             raise ConfigError(f"period_s must be positive, got {period_s!r}")
@@ -225,6 +228,7 @@ class Runtime:
         self.process_sampler: ProcessSampler | None = None
         self._meter: EnergyMeter | None = None
         self._prometheus = (prometheus_port, prometheus_addr)
+        self._prometheus_names = prometheus_names
         #: The bound Prometheus port while running (``None`` without an endpoint).
         self.prometheus_port: int | None = None
         self.exporter: Any | None = None
@@ -376,7 +380,7 @@ class Runtime:
 
         port, addr = self._prometheus
         assert port is not None
-        exporter = PrometheusExporter()
+        exporter = PrometheusExporter(names=self._prometheus_names)
         self.prometheus_port = exporter.serve(port, addr)
         stack.callback(exporter.close)
         self.exporter = exporter

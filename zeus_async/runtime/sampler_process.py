@@ -81,6 +81,7 @@ class SamplerProcess:
         prometheus_port: Serve a Prometheus endpoint from the agent on this port (0: any
             free port; :attr:`prometheus_port` then says which).
         prometheus_addr: Address the Prometheus endpoint binds.
+        prometheus_names: Its metric names (``native`` or ``dcgm``).
         attach: The endpoint of a running agent to use instead of starting a private one
             (the sampling options above are then the agent's; only ``start_timeout_s``
             applies).
@@ -114,6 +115,7 @@ class SamplerProcess:
         meta: Mapping[str, str] | None = None,
         prometheus_port: int | None = None,
         prometheus_addr: str = "127.0.0.1",
+        prometheus_names: str = "native",
         attach: str | None = None,
         name: str = "",
     ) -> None:
@@ -175,6 +177,7 @@ class SamplerProcess:
                 meta=dict(meta or {}),
                 prometheus_port=prometheus_port,
                 prometheus_addr=prometheus_addr,
+                prometheus_names=prometheus_names,
             )
             # The agent's warnings (a recording that failed, a restore) go to our stderr,
             # where the user looks; its start-up errors also come back typed (see Hello).
