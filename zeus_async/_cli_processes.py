@@ -96,14 +96,75 @@ def tracking_from_args(args: argparse.Namespace, command_pid: int | None) -> Any
     )
 
 
-def start_command(command: Sequence[str]) -> subprocess.Popen[bytes]:
-    """Start the tracked command (its output goes to this terminal)."""
-    try:
-        return subprocess.Popen(list(command))
-    except OSError as exc:
+#: Runs in the command's process until it is released: waits for one byte on the inherited
+#: pipe (none: the monitor failed to start, so the command does not run), then becomes the
+#: command (``exec``: same pid, so it is tracked from its first instruction).
+_HELD = (
+    "import os, sys\n"
+    "fd = int(sys.argv[1])\n"
+    "go = os.read(fd, 1)\n"
+    "os.close(fd)\n"
+    "if not go:\n"
+    "    sys.exit(125)\n"
+    "try:\n"
+    "    os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "except OSError as exc:\n"
+    "    sys.stderr.write(f'zeus-async: cannot run {sys.argv[2]!r}: {exc}\\n')\n"
+    "    sys.exit(127)\n"
+)
+
+
+class HeldCommand:
+    """The tracked command, started held: its process (and pid) exists at once, so process
+    tracking can name it before sampling starts, but it runs the command only when
+    :meth:`release` says so, after sampling has started (its start-up, imports and model
+    load included, is then measured).
+
+    Raises:
+        ConfigError: The command cannot be found or run.
+    """
+
+    def __init__(self, command: Sequence[str]) -> None:
+        import shutil
+        import sys
+
         from .errors import ConfigError
 
-        raise ConfigError(f"cannot run {command[0]!r}: {exc}") from None
+        program = command[0]
+        if shutil.which(program) is None:
+            raise ConfigError(f"cannot run {program!r}: command not found or not executable")
+        read_fd, self._write_fd = os.pipe()
+        try:
+            self.process: subprocess.Popen[bytes] = subprocess.Popen(
+                [sys.executable, "-c", _HELD, str(read_fd), *command], pass_fds=(read_fd,)
+            )
+        except OSError as exc:
+            os.close(self._write_fd)
+            raise ConfigError(f"cannot run {program!r}: {exc}") from None
+        finally:
+            os.close(read_fd)
+        self.pid = self.process.pid
+
+    def release(self) -> None:
+        """Let the command run (once)."""
+        if self._write_fd >= 0:
+            try:
+                os.write(self._write_fd, b"\1")
+            except OSError:
+                pass  # it is gone already
+            self.close()
+
+    def close(self) -> None:
+        """Without :meth:`release` first: the command never runs (its process exits 125)."""
+        if self._write_fd >= 0:
+            os.close(self._write_fd)
+            self._write_fd = -1
+
+
+def start_command(command: Sequence[str]) -> HeldCommand:
+    """Start the tracked command held (see :class:`HeldCommand`); its output goes to this
+    terminal."""
+    return HeldCommand(command)
 
 
 class ProcessTable:
@@ -218,7 +279,8 @@ async def run_exporter(args: argparse.Namespace, out: TextIO, sim_config: Any) -
     from .runtime import Runtime
 
     command = command_of(args)
-    child = start_command(command) if command else None
+    held = start_command(command) if command else None
+    child = held.process if held is not None else None
     try:
         tracking = tracking_from_args(args, child.pid if child else None)
         async with Runtime(
@@ -238,8 +300,12 @@ async def run_exporter(args: argparse.Namespace, out: TextIO, sim_config: Any) -
                 f"{', tracking processes' if tracking else ''}). Ctrl-C to stop.\n"
             )
             out.flush()
+            if held is not None:
+                held.release()  # sampling runs: now the command
             return await _serve_until_done(args, child)
     finally:
+        if held is not None:
+            held.close()
         if child is not None and child.poll() is None:
             child.terminate()
             child.wait()

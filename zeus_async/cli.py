@@ -47,7 +47,7 @@ from ._cli_common import (
 from ._cli_common import fmt_cell as _fmt
 from .aggregate import LiveTotals
 from .errors import ZeusAsyncError, sole_exception
-from .events import Event, event_to_dict
+from .events import Event, GpuSample, RaplSample, event_to_dict
 
 logger = logging.getLogger(__name__)
 
@@ -301,11 +301,14 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
 
     totals = LiveTotals()
     processes = _cli_processes.ProcessTable()
+    sampled = anyio.Event()
 
     async def consume(stream: anyio.abc.ObjectReceiveStream[Event]) -> None:
         async for event in stream:
             totals.add(event)
             processes.add(event)
+            if not sampled.is_set() and isinstance(event, GpuSample | RaplSample):
+                sampled.set()
 
     sim_config = _sim_config(args.sim_config)
     if sim_config is None and not os.environ.get("ZEUS_ASYNC_SIM"):
@@ -315,7 +318,10 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
 
         claim_output(args.record, overwrite=args.force, what="recording", recording=True)
     command = _cli_processes.command_of(args)
-    child = _cli_processes.start_command(command) if command else None
+    # The command's process exists now (tracking names its pid) but runs only once sampling
+    # has started, so its start-up is measured too.
+    held = _cli_processes.start_command(command) if command else None
+    child = held.process if held is not None else None
     code = EXIT_OK
     try:
         runtime = Runtime(
@@ -348,6 +354,11 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
                 f"period {args.period * 1e3:g} ms{where}. Ctrl-C to stop.\n"
             )
             out.flush()
+            if held is not None:
+                if rt.devices:
+                    with anyio.move_on_after(_FIRST_SAMPLE_S):
+                        await sampled.wait()
+                held.release()
             drawn = 0
             exited = anyio.Event()
             async with until_stopped(args.duration) as tg:
@@ -385,6 +396,8 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
                 # command was killed by that signal (130 for Ctrl-C), not success.
                 code = 128 + signum
     finally:
+        if held is not None:
+            held.close()  # never released (the monitor failed to start): it does not run
         if child is not None and child.poll() is None:
             child.terminate()
             child.wait()
@@ -394,6 +407,10 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
         out.write("\n".join(table) + "\n")
     out.flush()
     return code
+
+
+#: Longest wait for the first sample before ``monitor -- CMD`` lets the command run (seconds).
+_FIRST_SAMPLE_S = 5.0
 
 
 async def _watch_child(child: subprocess.Popen[bytes], exited: anyio.Event) -> None:

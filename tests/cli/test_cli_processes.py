@@ -12,7 +12,7 @@ import pytest
 from cli_helpers import free_port, popen, run_cli
 from prometheus_client.parser import text_string_to_metric_families
 
-from zeus_async.events import ProcessSample
+from zeus_async.events import GpuSample, ProcessSample
 from zeus_async.store import RecordingReader
 
 BURN = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass\nraise SystemExit(3)"
@@ -48,6 +48,32 @@ def test_monitor_runs_a_command_tracks_it_and_returns_its_exit_code(tmp_path: ob
     samples = [e for e in RecordingReader(path) if isinstance(e, ProcessSample)]
     busy = [s.cpu_frac for s in samples if s.gpu is None and s.cpu_frac is not None]
     assert busy and max(busy) > 0.2  # the command burns CPU (of 2 cores here: up to 0.5)
+
+
+def test_monitor_samples_before_the_command_starts(tmp_path: object) -> None:
+    """The command's start-up is measured: the first samples come before its first
+    instruction, and the GPUs' spans cover its whole run (1.74 s was reported for `sleep 2`)."""
+    path = f"{tmp_path}/run.zarc"
+    code = "import time; print('started', time.time_ns(), flush=True); time.sleep(1.5)"
+    proc = run_cli(
+        "monitor", "--backend", "sim", "--cpus", "none", "--quiet", "--record", path,
+        "--", sys.executable, "-c", code,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    started = int(proc.stdout.split("started ")[1].split()[0])
+    first = min(e.t_ns for e in RecordingReader(path) if isinstance(e, GpuSample))
+    assert first < started
+    totals = proc.stdout.split("Totals")[1]
+    spans = [float(line.split()[2]) for line in totals.splitlines() if line.startswith("gpu:")]
+    assert len(spans) == 4 and min(spans) >= 1.5
+
+
+def test_a_command_that_cannot_run_is_one_line_and_never_sampled() -> None:
+    proc = run_cli("monitor", "--backend", "sim", "--", "no-such-command-zeus")
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        "zeus-async monitor: cannot run 'no-such-command-zeus': command not found or not executable"
+    )
 
 
 def test_monitor_stops_when_the_command_exits_not_at_the_next_refresh() -> None:
