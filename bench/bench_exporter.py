@@ -209,6 +209,14 @@ def main() -> int:
         f"\nWith dcgm-exporter's names (`names='dcgm'`, same node, {d['series']:,} series): "
         f"render() median {d['render_ms']:.2f} ms, HTTP GET median {d['http_ms']:.2f} ms"
     )
+    out["otlp"] = otlp_export(20)
+    o = out["otlp"]
+    print(
+        f"\nOTLP/HTTP export of the same node to a local receiver ({o['bytes'] / 1e3:.0f} kB a "
+        "request; GPUs, RAPL and windows: OTLP carries no process series yet): "
+        f"median {o['median_ms']:.1f} ms per export interval (SDK thread), "
+        f"best {o['best_ms']:.1f} ms"
+    )
     out["windows"] = window_names(10_000)
     print("\n| 10,000 distinct window names, 8 GPUs each | window series | exporter memory MB |")
     print("|---|---:|---:|")
@@ -246,6 +254,38 @@ def dcgm_scrape(repeat: int) -> dict[str, float]:
         exporter.close()
     series = sum(1 for line in body.splitlines() if not line.startswith(b"#"))
     return {"series": series, "render_ms": render, "http_ms": http}
+
+
+def otlp_export(repeat: int) -> dict[str, float]:
+    """One OTLP export (``force_flush``: collect, encode, POST, answer) of the busy node, to a
+    receiver in this process that only reads the request."""
+    import http.server
+    import threading
+
+    from zeus_async.exporters.otlp import OtlpExporter
+
+    sizes: list[int] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            sizes.append(len(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    exporter = OtlpExporter(f"http://127.0.0.1:{server.server_address[1]}", interval_s=3600)
+    try:
+        exporter.add(gpu_samples(T0) + other_samples(T0) + process_samples(T0))
+        exporter.flush()
+        runs = timings_ms(repeat, exporter.flush)
+    finally:
+        exporter.close()
+        server.shutdown()
+    return {"median_ms": statistics.median(runs), "best_ms": min(runs), "bytes": sizes[-1]}
 
 
 def window_names(count: int) -> dict[str, dict[str, float]]:

@@ -4,6 +4,7 @@ and the ``exporter`` command. Not a public interface."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import subprocess
@@ -237,6 +238,24 @@ def add_prometheus_args(parser: Any, *, prefix: str) -> None:
     )
 
 
+def add_otlp_args(parser: Any, positive_float: Any) -> None:
+    """``--otlp URL`` and ``--otlp-interval S``: push to an OpenTelemetry collector."""
+    parser.add_argument(
+        "--otlp",
+        default=None,
+        metavar="URL",
+        help="also push metrics to this OpenTelemetry OTLP/HTTP endpoint "
+        "(http://collector:4318; needs the otel extra)",
+    )
+    parser.add_argument(
+        "--otlp-interval",
+        type=positive_float,
+        default=10.0,
+        metavar="S",
+        help="seconds between OTLP exports (default 10)",
+    )
+
+
 def add_exporter_parser(sub: Any, positive_float: Any, int_list: Any) -> None:
     exp = sub.add_parser(
         "exporter",
@@ -253,6 +272,7 @@ def add_exporter_parser(sub: Any, positive_float: Any, int_list: Any) -> None:
         help=f"HTTP port (default {DEFAULT_PORT}; dcgm-exporter's is 9400)",
     )
     add_prometheus_args(exp, prefix="--")
+    add_otlp_args(exp, positive_float)
     exp.add_argument(
         "--connect",
         nargs="+",
@@ -293,6 +313,8 @@ async def run_exporter(args: argparse.Namespace, out: TextIO, sim_config: Any) -
             prometheus_port=args.port,
             prometheus_addr=args.addr,
             prometheus_names=args.names,
+            otlp=args.otlp,
+            otlp_interval_s=args.otlp_interval,
         ) as rt:
             out.write(
                 f"zeus-async exporter: http://{args.addr}:{rt.prometheus_port}/metrics "
@@ -326,7 +348,14 @@ async def _export_streams(args: argparse.Namespace, out: TextIO) -> int:
     from .bus import Subscriber
     from .exporters.prometheus import PrometheusExporter
 
-    with PrometheusExporter(names=args.names) as exporter:
+    otlp = None
+    if args.otlp:
+        from .exporters.otlp import OtlpExporter
+
+        otlp = OtlpExporter(args.otlp, interval_s=args.otlp_interval)
+    with PrometheusExporter(names=args.names) as exporter, contextlib.ExitStack() as stack:
+        if otlp is not None:
+            stack.callback(otlp.close)
         port = exporter.serve(args.port, args.addr)
         async with Subscriber(args.connect, topics=[""]) as sub:
             await wait_for_publisher(sub, args.connect, args.wait)
@@ -338,4 +367,6 @@ async def _export_streams(args: argparse.Namespace, out: TextIO) -> int:
             async with until_stopped(args.duration):
                 async for event in sub:
                     exporter.add((event,))
+                    if otlp is not None:
+                        otlp.add((event,))
     return 0

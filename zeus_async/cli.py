@@ -160,6 +160,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="also serve metrics to Prometheus on this port (0: any free one)",
     )
     _cli_processes.add_prometheus_args(mon, prefix="--prometheus-")
+    _cli_processes.add_otlp_args(mon, _positive_float)
     _cli_processes.add_process_args(mon)
 
     sbs = sub.add_parser("subscribe", help="print events from a publisher")
@@ -339,6 +340,8 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
             prometheus_port=args.prometheus_port,
             prometheus_addr=args.prometheus_addr,
             prometheus_names=args.prometheus_names,
+            otlp=args.otlp,
+            otlp_interval_s=args.otlp_interval,
         )
         tty = out.isatty()
         async with runtime as rt:
@@ -347,6 +350,8 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
                 where += f", recording to {args.record}"
             if rt.prometheus_port is not None:
                 where += f", metrics on http://{args.prometheus_addr}:{rt.prometheus_port}/metrics"
+            if args.otlp:
+                where += f", pushing to {args.otlp}"
             if child is not None:
                 where += f", running {' '.join(command)} (pid {child.pid})"
             out.write(

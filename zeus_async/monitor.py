@@ -300,6 +300,10 @@ class Monitor(ClosedOnExit):
             interface (a Prometheus server on another machine).
         prometheus_names: ``native`` metric names, or ``dcgm`` for dcgm-exporter's names,
             units and labels on the GPU series (its Grafana dashboards work unchanged).
+        otlp: Push the measurements to this OpenTelemetry OTLP/HTTP metrics endpoint
+            (``http://collector:4318``; the ``otel`` extra), with the rank's job, rank and host
+            as resource attributes (:mod:`zeus_async.exporters.otlp`).
+        otlp_interval_s: Seconds between OTLP exports.
         agent: Where sampling runs with ``sampler="process"`` (``docs/agent.md``). ``None``
             (default): attach to the node agent when one runs (``zeus-async agent``) or when
             this is a torchrun rank (the first rank starts it), else start a private agent;
@@ -340,6 +344,8 @@ class Monitor(ClosedOnExit):
         prometheus_port: int | None = None,
         prometheus_addr: str = "127.0.0.1",
         prometheus_names: str = "native",
+        otlp: str | None = None,
+        otlp_interval_s: float = 10.0,
         agent: str | bool | None = None,
         **runtime_options: Any,
     ) -> None:
@@ -402,6 +408,7 @@ class Monitor(ClosedOnExit):
                 or publish is not None
                 or log_file is not None
                 or prometheus_port is not None
+                or otlp is not None
                 or tracking is not None
                 or sample_period != 0.01
                 or backend != "auto"
@@ -425,6 +432,8 @@ class Monitor(ClosedOnExit):
                 prometheus_port=prometheus_port,
                 prometheus_addr=prometheus_addr,
                 prometheus_names=prometheus_names,
+                otlp=otlp,
+                otlp_interval_s=otlp_interval_s,
                 **runtime_options,
             )
             #: Port of the Prometheus endpoint (``None`` without one).
@@ -453,6 +462,8 @@ class Monitor(ClosedOnExit):
                 prometheus_port=prometheus_port,
                 prometheus_addr=prometheus_addr,
                 prometheus_names=prometheus_names,
+                otlp=otlp,
+                otlp_interval_s=otlp_interval_s,
                 **runtime_options,
             )
             self._embedded.start()

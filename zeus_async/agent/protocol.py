@@ -59,6 +59,8 @@ class AgentConfig(msgspec.Struct, frozen=True):
     prometheus_port: int | None = None
     prometheus_addr: str = "127.0.0.1"
     prometheus_names: str = "native"
+    otlp: str | None = None
+    otlp_interval_s: float = 10.0
     exit_when_idle_s: float | None = None
     #: Hold the node lock (``agent.lock``): exit with code 3 if another node agent holds it.
     node: bool = False

@@ -417,6 +417,8 @@ async def _run_runtime(
             prometheus_port=cfg.prometheus_port,
             prometheus_addr=cfg.prometheus_addr,
             prometheus_names=cfg.prometheus_names,
+            otlp=cfg.otlp,
+            otlp_interval_s=cfg.otlp_interval_s,
         ) as rt:
             if cfg.log_file:
                 rank = cfg.meta.get("rank")

@@ -76,7 +76,7 @@ from .._exit import ClosedOnExit
 from ..devices.base import GPU_FIELDS
 from ..errors import ConfigError
 from ..events import Event, GpuSample, Measurement, ProcessSample, RaplSample, StreamInfo
-from ..runtime.hub import EventBatches
+from ..runtime.hub import EventBatches, feed_batches
 from .names import DEFAULT_PORT, NAME_SETS
 
 __all__ = ["DEFAULT_PORT", "NAME_SETS", "PrometheusExporter"]
@@ -536,12 +536,7 @@ class PrometheusExporter(ClosedOnExit):
         (``rt.start_consumer(exporter.run, batched=True)``, one lock round per batch) or a plain
         event stream (``rt.start_consumer(exporter.run)``).
         """
-        if isinstance(stream, EventBatches):
-            async for batch in stream:
-                self.add(batch)
-        else:
-            async for event in stream:
-                self.add((event,))
+        await feed_batches(stream, self.add)
 
     def _gpu_labels(self, host: str, gpu: int) -> dict[str, str]:
         """A GPU's labels: ``host`` and ``gpu``, and once a stream has described it

@@ -15,12 +15,13 @@ Two kinds of destination, with different guarantees (DESIGN.md invariant 4):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Protocol
 
 import anyio
 import anyio.lowlevel
+from anyio.abc import ObjectReceiveStream
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ..events import Event
@@ -294,3 +295,17 @@ class Hub:
         for stream in self._consumers:
             stream.close()
         self._consumers.clear()
+
+
+async def feed_batches(
+    stream: EventBatches | ObjectReceiveStream[Event], add: Callable[[Sequence[Event]], None]
+) -> None:
+    """Hand every event of ``stream`` to ``add`` until it ends: a batch at a time from an
+    :class:`EventBatches` (``start_consumer(..., batched=True)``), one by one from a plain
+    stream. What the exporters' ``run`` consumers share."""
+    if isinstance(stream, EventBatches):
+        async for batch in stream:
+            add(batch)
+    else:
+        async for event in stream:
+            add((event,))

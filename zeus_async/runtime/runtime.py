@@ -144,6 +144,10 @@ class Runtime:
         prometheus_addr: Address it binds (default loopback; ``0.0.0.0`` for every interface).
         prometheus_names: Its metric names: ``native`` (``zeus_gpu_power_watts``...) or
             ``dcgm`` (dcgm-exporter's ``DCGM_FI_DEV_POWER_USAGE``... for the GPU series).
+        otlp: Push the measurements to this OpenTelemetry OTLP/HTTP metrics endpoint
+            (:mod:`zeus_async.exporters.otlp`; the ``otel`` extra), with the run metadata
+            (``meta``: job, rank...) as resource attributes.
+        otlp_interval_s: Seconds between OTLP exports.
         meta: Run metadata, in the recording header (``record``) and the
             :class:`~zeus_async.events.StreamInfo` event.
     """
@@ -176,6 +180,8 @@ class Runtime:
         prometheus_port: int | None = None,
         prometheus_addr: str = "127.0.0.1",
         prometheus_names: str = "native",
+        otlp: str | None = None,
+        otlp_interval_s: float = 10.0,
     ) -> None:
         if not period_s > 0:
             raise ConfigError(f"period_s must be positive, got {period_s!r}")
@@ -229,6 +235,7 @@ class Runtime:
         self._meter: EnergyMeter | None = None
         self._prometheus = (prometheus_port, prometheus_addr)
         self._prometheus_names = prometheus_names
+        self._otlp = (otlp, otlp_interval_s)
         #: The bound Prometheus port while running (``None`` without an endpoint).
         self.prometheus_port: int | None = None
         self.exporter: Any | None = None
@@ -297,6 +304,12 @@ class Runtime:
                 self.start_consumer(consumer)
             if self.exporter is not None:
                 self.start_consumer(self.exporter.run, batched=True)
+            if self._otlp[0] is not None:
+                from ..exporters.otlp import OtlpExporter
+
+                otlp = OtlpExporter(self._otlp[0], interval_s=self._otlp[1], resource=self._meta)
+                self._stack.callback(otlp.close)
+                self.start_consumer(otlp.run, batched=True, isolate="OTLP export")
             if self._processes is not None:
                 self._meter = EnergyMeter()
                 self.hub.add_sink(self._meter.add)

@@ -82,6 +82,7 @@ class SamplerProcess:
             free port; :attr:`prometheus_port` then says which).
         prometheus_addr: Address the Prometheus endpoint binds.
         prometheus_names: Its metric names (``native`` or ``dcgm``).
+        otlp, otlp_interval_s: Push to an OpenTelemetry OTLP/HTTP endpoint from the agent.
         attach: The endpoint of a running agent to use instead of starting a private one
             (the sampling options above are then the agent's; only ``start_timeout_s``
             applies).
@@ -116,6 +117,8 @@ class SamplerProcess:
         prometheus_port: int | None = None,
         prometheus_addr: str = "127.0.0.1",
         prometheus_names: str = "native",
+        otlp: str | None = None,
+        otlp_interval_s: float = 10.0,
         attach: str | None = None,
         name: str = "",
     ) -> None:
@@ -178,6 +181,8 @@ class SamplerProcess:
                 prometheus_port=prometheus_port,
                 prometheus_addr=prometheus_addr,
                 prometheus_names=prometheus_names,
+                otlp=otlp,
+                otlp_interval_s=otlp_interval_s,
             )
             # The agent's warnings (a recording that failed, a restore) go to our stderr,
             # where the user looks; its start-up errors also come back typed (see Hello).

@@ -1,0 +1,298 @@
+"""OpenTelemetry metrics export (OTLP over HTTP): the same measurements, pushed.
+
+:class:`OtlpExporter` is a runtime consumer (``rt.start_consumer(exporter.run, batched=True)``)
+that keeps the latest value of every GPU and RAPL field and every window name's energy, like
+the Prometheus exporter, and hands them to an OpenTelemetry SDK ``MeterProvider`` through
+observable instruments, which a ``PeriodicExportingMetricReader`` pushes to an OTLP/HTTP
+endpoint every ``interval_s``: nothing is done per event beyond updating a dict.
+
+Names follow OpenTelemetry's hardware semantic conventions where they exist:
+
+* ``hw.power`` (W, gauge) and ``hw.energy`` (J, cumulative counter), per GPU (``hw.type`` =
+  ``gpu``) and per RAPL domain (``hw.type`` = ``cpu`` or ``memory``);
+* ``hw.gpu.utilization`` (1, gauge: 0..1), ``hw.gpu.memory.usage`` (By), ``hw.temperature``
+  (Cel), ``hw.gpu.sm_clock`` (Hz, not a convention yet) per GPU;
+* ``zeus.window.energy`` (J, cumulative, per ``zeus.window`` and ``hw.id``) and
+  ``zeus.window.count``, for at most ``max_windows`` window names (the least recently finished
+  one makes room; ``zeus.exporter.evicted`` counts them).
+
+Every GPU point carries ``hw.id`` (its UUID once the stream's description has named it, else
+``gpu:N``), ``hw.name`` (the model), ``hw.type``, ``host.name`` and ``zeus.gpu.index``. The
+resource carries ``service.name`` (``zeus_async``), ``host.name`` and the run metadata's
+``job``, ``rank`` and friends (``zeus_async.ranks``).
+
+Needs ``pip install 'zeus_async[otel]'`` (opentelemetry-sdk and the OTLP/HTTP exporter).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import anyio.abc
+
+from .._exit import ClosedOnExit
+from ..errors import ConfigError
+from ..events import Event, GpuSample, Measurement, RaplSample, StreamInfo
+from ..runtime.hub import EventBatches, feed_batches
+
+__all__ = ["MISSING", "OtlpExporter"]
+
+logger = logging.getLogger(__name__)
+
+MISSING = "OpenTelemetry export needs: pip install 'zeus_async[otel]'"
+
+#: GPU fields exported, as (event field, instrument name, unit, scale).
+_GPU_GAUGES = (
+    ("power_w", "hw.power", "W", 1.0),
+    ("utilization_frac", "hw.gpu.utilization", "1", 1.0),
+    ("memory_used_bytes", "hw.gpu.memory.usage", "By", 1.0),
+    ("temperature_c", "hw.temperature", "Cel", 1.0),
+    ("sm_clock_hz", "hw.gpu.sm_clock", "Hz", 1.0),
+)
+_RAPL_TYPES = {"package": "cpu", "dram": "memory"}
+
+
+class OtlpExporter(ClosedOnExit):
+    """Pushes the latest measurements to an OTLP/HTTP metrics endpoint.
+
+    Args:
+        endpoint: The collector's OTLP/HTTP metrics URL (``http://host:4318/v1/metrics``; a
+            URL without a path gets ``/v1/metrics``).
+        interval_s: Seconds between exports.
+        resource: More resource attributes (``job``, ``rank``...; strings).
+        max_windows: Most window names exported.
+        headers: HTTP headers of every request (an API key...).
+
+    Raises:
+        ImportError: The OpenTelemetry SDK or its OTLP/HTTP exporter is not installed.
+        ConfigError: A bad interval, endpoint or ``max_windows``.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        interval_s: float = 10.0,
+        resource: Mapping[str, str] | None = None,
+        max_windows: int = 1000,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        if not interval_s > 0:
+            raise ConfigError(f"interval_s must be positive, got {interval_s!r}")
+        if max_windows < 1:
+            raise ConfigError(f"max_windows must be at least 1, got {max_windows!r}")
+        if not endpoint.startswith(("http://", "https://")):
+            raise ConfigError(f"the OTLP endpoint must be an http:// or https:// URL: {endpoint!r}")
+        try:
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+                OTLPMetricExporter,
+            )
+            from opentelemetry.sdk.metrics import MeterProvider
+            from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+            from opentelemetry.sdk.resources import Resource
+        except ImportError as exc:
+            raise ImportError(MISSING) from exc
+        if endpoint.rstrip("/").count("/") <= 2:  # scheme://host[:port] only
+            endpoint = endpoint.rstrip("/") + "/v1/metrics"
+        self.endpoint = endpoint
+        self.max_windows = max_windows
+        self._lock = threading.Lock()
+        # (host, gpu) -> field -> value; (host, gpu) -> (UUID, model).
+        self._gpus: dict[tuple[str, int], dict[str, float]] = {}
+        self._gpu_info: dict[tuple[str, int], tuple[str, str]] = {}
+        # (host, package, domain) -> (power, energy).
+        self._rapl: dict[tuple[str, int, str], list[float | None]] = {}
+        # (host, window) -> device -> [joules total, windows]; least recently finished first.
+        self._windows: OrderedDict[tuple[str, str], dict[str, list[float]]] = OrderedDict()
+        #: Window names dropped past ``max_windows``.
+        self.evicted = 0
+        #: Events handled by :meth:`add`.
+        self.events = 0
+        attributes = {"service.name": "zeus_async", "host.name": socket.gethostname()}
+        attributes.update(resource or {})
+        exporter = OTLPMetricExporter(endpoint=endpoint, headers=dict(headers or {}))
+        self._reader = PeriodicExportingMetricReader(
+            exporter, export_interval_millis=interval_s * 1e3
+        )
+        self._provider = MeterProvider(
+            resource=Resource.create(attributes), metric_readers=[self._reader]
+        )
+        meter = self._provider.get_meter("zeus_async")
+        for field, name, unit, scale in _GPU_GAUGES:
+            meter.create_observable_gauge(
+                name,
+                callbacks=[self._gpu_callback(field, scale)],
+                unit=unit,
+                description=f"GPU {field} (zeus_async)",
+            )
+        meter.create_observable_gauge(
+            "hw.power", callbacks=[self._rapl_callback(0)], unit="W", description="RAPL power"
+        )
+        meter.create_observable_counter(
+            "hw.energy",
+            callbacks=[self._gpu_callback("energy_j", 1.0), self._rapl_callback(1)],
+            unit="J",
+            description="Energy counter (GPU since the driver loaded, RAPL since sampling began)",
+        )
+        meter.create_observable_counter(
+            "zeus.window.energy",
+            callbacks=[self._window_callback(0)],
+            unit="J",
+            description="Energy of a device summed over the finished windows of a name",
+        )
+        meter.create_observable_counter(
+            "zeus.window.count",
+            callbacks=[self._window_callback(1)],
+            unit="{window}",
+            description="Finished windows of a name",
+        )
+        meter.create_observable_counter(
+            "zeus.exporter.evicted",
+            callbacks=[self._evicted_callback],
+            unit="{series}",
+            description="Window names dropped past max_windows",
+        )
+        self._closed = False
+
+    # -- feeding ---------------------------------------------------------------------------------
+
+    def add(self, events: Iterable[Event]) -> None:
+        """Take a batch of events: update the latest values (other kinds are ignored)."""
+        n = 0
+        with self._lock:
+            for e in events:
+                n += 1
+                if type(e) is GpuSample:
+                    values = self._gpus.setdefault((e.host, e.gpu), {})
+                    for field in ("power_w", "energy_j", *(g[0] for g in _GPU_GAUGES)):
+                        v = getattr(e, field)
+                        if v is not None:
+                            values[field] = v
+                elif type(e) is RaplSample:
+                    if e.domain in _RAPL_TYPES:
+                        row = self._rapl.setdefault((e.host, e.package, e.domain), [None, None])
+                        if e.power_w is not None:
+                            row[0] = e.power_w
+                        row[1] = e.energy_j
+                elif type(e) is Measurement:
+                    self._add_measurement(e)
+                elif type(e) is StreamInfo:
+                    for d in e.devices:
+                        kind, _, index = d.key.partition(":")
+                        if kind == "gpu" and index.isdigit():
+                            self._gpu_info[(e.host, int(index))] = (d.uuid, d.name)
+            self.events += n
+
+    def _add_measurement(self, e: Measurement) -> None:
+        key = (e.host, e.name)
+        devices = self._windows.pop(key, None)
+        if devices is None:
+            if len(self._windows) >= self.max_windows:
+                self._windows.popitem(last=False)
+                self.evicted += 1
+            devices = {}
+        self._windows[key] = devices
+        for prefix, energies in (
+            ("gpu", e.gpu_energy_j),
+            ("cpu", e.cpu_energy_j),
+            ("dram", e.dram_energy_j),
+        ):
+            for index, joules in (energies or {}).items():
+                slot = devices.setdefault(f"{prefix}:{index}", [0.0, 0.0])
+                slot[0] += joules
+                slot[1] += 1
+
+    async def run(self, stream: EventBatches | anyio.abc.ObjectReceiveStream[Event]) -> None:
+        """Consume ``stream`` until it ends (a runtime consumer, batched or not)."""
+        await feed_batches(stream, self.add)
+
+    # -- observing (the SDK's export thread) ------------------------------------------------------
+
+    def _gpu_attributes(self, host: str, gpu: int) -> dict[str, str | int]:
+        uuid, model = self._gpu_info.get((host, gpu), ("", ""))
+        attributes: dict[str, str | int] = {
+            "hw.id": uuid or f"gpu:{gpu}",
+            "hw.type": "gpu",
+            "host.name": host,
+            "zeus.gpu.index": gpu,
+        }
+        if model:
+            attributes["hw.name"] = model
+        return attributes
+
+    def _gpu_callback(self, field: str, scale: float) -> Any:
+        from opentelemetry.metrics import Observation
+
+        def observe(options: Any) -> Iterator[Observation]:
+            with self._lock:
+                points = [
+                    (self._gpu_attributes(host, gpu), values[field] * scale)
+                    for (host, gpu), values in self._gpus.items()
+                    if field in values
+                ]
+            for attributes, value in points:
+                yield Observation(value, attributes)
+
+        return observe
+
+    def _rapl_callback(self, index: int) -> Any:
+        from opentelemetry.metrics import Observation
+
+        def observe(options: Any) -> Iterator[Observation]:
+            with self._lock:
+                points = [
+                    (host, package, domain, value)
+                    for (host, package, domain), row in self._rapl.items()
+                    if (value := row[index]) is not None
+                ]
+            for host, package, domain, value in points:
+                attributes = {
+                    "hw.id": f"cpu:{package}/{domain}",
+                    "hw.type": _RAPL_TYPES[domain],
+                    "host.name": host,
+                }
+                yield Observation(value, attributes)
+
+        return observe
+
+    def _window_callback(self, index: int) -> Any:
+        from opentelemetry.metrics import Observation
+
+        def observe(options: Any) -> Iterator[Observation]:
+            with self._lock:
+                points = [
+                    (host, name, device, slot[index])
+                    for (host, name), devices in self._windows.items()
+                    for device, slot in devices.items()
+                ]
+            for host, name, device, value in points:
+                attributes = {"zeus.window": name, "hw.id": device, "host.name": host}
+                yield Observation(value, attributes)
+
+        return observe
+
+    def _evicted_callback(self, options: Any) -> Iterator[Any]:
+        from opentelemetry.metrics import Observation
+
+        yield Observation(self.evicted, {"zeus.kind": "window"})
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Export now (waits for the request); whether it succeeded."""
+        return bool(self._provider.force_flush(round(timeout_s * 1e3)))
+
+    def close(self) -> None:
+        """Export a last time and stop. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._provider.shutdown()
+        except Exception:
+            logger.exception("stopping the OTLP exporter failed")
