@@ -217,6 +217,12 @@ def main() -> int:
         f"median {o['median_ms']:.1f} ms per export interval (SDK thread), "
         f"best {o['best_ms']:.1f} ms"
     )
+    out["idle"] = idle_clients(2000)
+    i = out["idle"]
+    print(
+        f"\n2,000 idle clients connected: {i['threads_added']} thread(s) added "
+        f"(was one per connection), a scrape meanwhile took {i['scrape_ms']:.1f} ms"
+    )
     out["windows"] = window_names(10_000)
     print("\n| 10,000 distinct window names, 8 GPUs each | window series | exporter memory MB |")
     print("|---|---:|---:|")
@@ -286,6 +292,31 @@ def otlp_export(repeat: int) -> dict[str, float]:
         exporter.close()
         server.shutdown()
     return {"median_ms": statistics.median(runs), "best_ms": min(runs), "bytes": sizes[-1]}
+
+
+def idle_clients(count: int) -> dict[str, float]:
+    """Threads the server adds for ``count`` clients that connect and send nothing, and the
+    time of a scrape among them."""
+    import socket
+    import threading
+
+    exporter = PrometheusExporter()
+    exporter.add(gpu_samples(T0) + other_samples(T0) + process_samples(T0))
+    port = exporter.serve(0)
+    before = threading.active_count()
+    conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(count)]
+    try:
+        time.sleep(0.5)
+        added = threading.active_count() - before
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
+            resp.read()
+        scrape_ms = (time.perf_counter() - t0) * 1e3
+    finally:
+        for c in conns:
+            c.close()
+        exporter.close()
+    return {"threads_added": added, "scrape_ms": scrape_ms}
 
 
 def window_names(count: int) -> dict[str, dict[str, float]]:

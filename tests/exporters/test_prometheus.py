@@ -474,6 +474,47 @@ def test_port_in_use_is_a_config_error() -> None:
         exporter.serve(70000)
 
 
+def test_idle_connections_hold_no_thread_and_are_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """2,000 clients that connect and send nothing: no thread each (before: 2,001 threads),
+    a scrape still answers at once, and they are closed after the idle timeout."""
+    from zeus_async.exporters import prometheus
+
+    monkeypatch.setattr(prometheus._Server, "idle_timeout_s", 1.0)
+    exporter = rich_exporter()
+    port = exporter.serve(0)
+    threads_before = threading.active_count()
+    idle = []
+    try:
+        for _ in range(2000):
+            idle.append(socket.create_connection(("127.0.0.1", port)))
+        time.sleep(0.3)
+        assert threading.active_count() <= threads_before + 4  # the bounded pool, at most
+        started = time.monotonic()
+        body, _ = get(f"http://127.0.0.1:{port}/metrics")
+        assert b"zeus_gpu_power_watts" in body
+        assert time.monotonic() - started < 2.0
+        # Past the idle timeout the server has closed them: reads see the end of the stream.
+        time.sleep(1.6)
+        closed = 0
+        for conn in idle:
+            conn.settimeout(0.5)
+            try:
+                closed += conn.recv(1) == b""
+            except (ConnectionError, TimeoutError):
+                closed += 1
+        assert closed == 2000
+        assert exporter._server is not None and exporter._server.idle_closed >= 2000  # type: ignore[attr-defined]
+        # A client that starts a request and stalls holds one worker until the same timeout.
+        stalled = socket.create_connection(("127.0.0.1", port))
+        stalled.sendall(b"GET /metrics HTTP/1.1\r\n")
+        assert b"zeus_gpu_power_watts" in get(f"http://127.0.0.1:{port}/metrics")[0]
+        stalled.close()
+    finally:
+        for conn in idle:
+            conn.close()
+        exporter.close()
+
+
 def test_scrapes_from_another_thread_while_events_arrive() -> None:
     exporter = PrometheusExporter()
     stop = threading.Event()

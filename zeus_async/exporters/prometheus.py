@@ -57,12 +57,14 @@ from __future__ import annotations
 
 import errno
 import logging
+import selectors
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from operator import attrgetter
-from socketserver import ThreadingMixIn
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, cast
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -830,10 +832,100 @@ class PrometheusExporter(ClosedOnExit):
             thread.join(timeout=5.0)
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    """Thread-per-request WSGI server (like prometheus_client's), daemon request threads."""
+#: Threads answering requests, at most (a scrape takes a few ms: Prometheus needs one).
+_WORKERS = 4
+#: Seconds a connection may stay open without sending a complete request before it is closed.
+_IDLE_TIMEOUT_S = 10.0
+#: Connections waiting for their request, at most: beyond, the longest-waiting one is closed.
+_MAX_WAITING = 1024
 
-    daemon_threads = True
+
+class _Server(WSGIServer):
+    """A WSGI server whose threads are bounded and which idle connections cannot hold.
+
+    One thread accepts connections and watches them with a selector; a connection goes to the
+    pool of :data:`_WORKERS` threads only once its request has started to arrive, and one
+    that sends nothing for ``idle_timeout_s`` (or that waits beyond :data:`_MAX_WAITING`
+    others) is closed. A request that starts but stalls is cut by the handler's socket
+    timeout. So 2,000 idle clients cost 2,000 sockets and no thread, and a scrape still gets
+    through (prometheus_client's server, and ours before, kept a thread per connection
+    forever).
+    """
+
+    idle_timeout_s = _IDLE_TIMEOUT_S
+    request_queue_size = 128  # the listen backlog (socketserver's default is 5)
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        self.socket.setblocking(False)  # accept until none is pending
+        self._pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="zeus-prometheus-req")
+        self._waiting: dict[socket.socket, tuple[Any, float]] = {}
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+        #: Connections closed for idling or for too many waiting (a figure for tests).
+        self.idle_closed = 0
+
+    def serve_forever(self, poll_interval: float = 0.1) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self.socket, selectors.EVENT_READ)
+        try:
+            while not self._stop.is_set():
+                for key, _ in selector.select(poll_interval):
+                    if key.fileobj is self.socket:
+                        self._accept(selector)
+                    else:
+                        conn = cast(socket.socket, key.fileobj)
+                        selector.unregister(conn)
+                        address, _ = self._waiting.pop(conn)
+                        self._pool.submit(self._handle, conn, address)
+                self._close_idle(selector, time.monotonic() - self.idle_timeout_s)
+        finally:
+            for conn in list(self._waiting):
+                selector.unregister(conn)
+                self.shutdown_request(conn)
+            self._waiting.clear()
+            selector.close()
+            self._stopped.set()
+
+    def _accept(self, selector: selectors.BaseSelector) -> None:
+        while True:
+            try:
+                conn, address = self.get_request()
+            except OSError:  # none pending (BlockingIOError), or a failed accept
+                return
+            conn.setblocking(True)
+            self._admit(selector, conn, address)
+
+    def _admit(self, selector: selectors.BaseSelector, conn: socket.socket, address: Any) -> None:
+        if len(self._waiting) >= _MAX_WAITING:
+            oldest = min(self._waiting, key=lambda c: self._waiting[c][1])
+            selector.unregister(oldest)
+            del self._waiting[oldest]
+            self.shutdown_request(oldest)
+            self.idle_closed += 1
+        self._waiting[conn] = (address, time.monotonic())
+        selector.register(conn, selectors.EVENT_READ)
+
+    def _close_idle(self, selector: selectors.BaseSelector, before: float) -> None:
+        for conn in [c for c, (_, t) in self._waiting.items() if t < before]:
+            selector.unregister(conn)
+            del self._waiting[conn]
+            self.shutdown_request(conn)
+            self.idle_closed += 1
+
+    def _handle(self, conn: socket.socket, address: Any) -> None:
+        try:
+            conn.settimeout(self.idle_timeout_s)  # a request that starts but stalls
+            self.finish_request(conn, address)
+        except Exception:
+            logger.debug("a metrics request failed", exc_info=True)
+        finally:
+            self.shutdown_request(conn)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._stopped.wait(5.0)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _QuietHandler(WSGIRequestHandler):
