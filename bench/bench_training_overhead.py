@@ -36,6 +36,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--step-ms", type=float, default=10.0)
+    parser.add_argument("--gpus", type=int, default=4, help="GPUs the monitor measures")
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="instead of a window per step, only the floor: 2 time stamps and 2 board reads",
+    )
     args = parser.parse_args()
     step_s = args.step_ms / 1e3
 
@@ -99,7 +105,34 @@ def main() -> None:
         def on_step_end(self, *a: Any, **kw: Any) -> None:
             self._pop()
 
-    with Monitor(backend="sim", cpu_indices=[], sync_execution_with=None) as monitor:
+    class Floor(TrainerCallback):
+        """The cheapest per-step work there could be, counted the same way: two edge time
+        stamps queued, and each GPU's latest reading read twice from the power board."""
+
+        def __init__(self, monitor: Monitor) -> None:
+            process = monitor._process
+            assert process is not None and process._board is not None
+            self.board = process._board
+            self.keys = [process._board_keys[f"gpu:{g}"] for g in monitor.gpu_indices]
+            self.edges: list[int] = []
+
+        def on_step_begin(self, *a: Any, **kw: Any) -> None:
+            model.deadline = time.perf_counter() + step_s
+            counted(self.edges.append)(time.time_ns())
+
+        @counted
+        def _pop(self) -> None:
+            self.edges.append(time.time_ns())
+            for key in self.keys:
+                self.board.latest(key)
+                self.board.latest(key)
+            energies.append(0.0)
+
+        def on_step_end(self, *a: Any, **kw: Any) -> None:
+            self._pop()
+
+    gpus = list(range(args.gpus))
+    with Monitor(gpus, backend="sim", cpu_indices=[], sync_execution_with=None) as monitor:
         energy_cb = EnergyCallback(monitor)
         for hook in ("on_train_begin", "on_log", "on_train_end"):
             setattr(energy_cb, hook, counted(getattr(energy_cb, hook)))
@@ -131,7 +164,8 @@ def main() -> None:
     total_us = ours_us + threads_us
     step_us = step_s * 1e6
     print(
-        f"\n{steps} steps of {args.step_ms:g} ms (measured {wall / steps * 1e3:.2f} ms/step); "
+        f"\n{args.gpus} GPU(s){' FLOOR' if args.floor else ''}, {steps} steps of "
+        f"{args.step_ms:g} ms (measured {wall / steps * 1e3:.2f} ms/step); "
         f"{len(energies)} windows read at once; threads: {', '.join(clocks) or 'none'}; "
         f"I/O thread wake-ups: {io_wakeups}\n"
     )
