@@ -24,6 +24,7 @@ import collections
 import contextlib
 import logging
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -380,11 +381,13 @@ class SamplerProcess:
         urgent = zmq.Poller()
         urgent.register(self._sock, zmq.POLLIN)
         urgent.register(self._wake_r, zmq.POLLIN)
-        relaxed = zmq.Poller()
-        relaxed.register(self._wake_r, zmq.POLLIN)
+        # Plain descriptors only: the stdlib's poll, whose timed sleep costs a third less CPU
+        # than pyzmq's (bench/RESULTS.md, issue 20), and this is the state the thread idles in.
+        relaxed = select.poll()
+        relaxed.register(self._wake_r, select.POLLIN)
         if self._agent_fd is not None:
             urgent.register(self._agent_fd, zmq.POLLIN)
-            relaxed.register(self._agent_fd, zmq.POLLIN)
+            relaxed.register(self._agent_fd, select.POLLIN)
         timeout_ms = round(_IDLE_WAKE_S * 1e3)
         while True:
             # Clear the flag before sending, so a request queued after this flush wakes us again.
