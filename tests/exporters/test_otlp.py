@@ -229,3 +229,27 @@ def test_monitor_cli_and_class_push_with_rank_attributes(receiver: Receiver) -> 
         sim_pynvml.uninstall()
     resource = next(r for r, n, _, _ in receiver.points() if n == "hw.power")
     assert resource["rank"] == "1" and resource["world_size"] == "2"
+
+
+def test_an_unreachable_collector_is_one_line_and_never_holds_up_the_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import socket
+
+    from zeus_async.exporters.otlp import OtlpExporter
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    exporter = OtlpExporter(url, interval_s=0.5)
+    exporter.add([GpuSample(H, T0, 0, power_w=100.0)])
+    with caplog.at_level("WARNING"):
+        assert not exporter.flush()
+        assert not exporter.flush()
+        started = time.monotonic()
+        exporter.close()
+    assert time.monotonic() - started < 3.0
+    assert exporter.failed_exports >= 2
+    ours = [r for r in caplog.records if "OTLP export" in r.getMessage()]
+    assert len(ours) == 1 and url in ours[0].getMessage()
+    assert not [r for r in caplog.records if r.name.startswith("opentelemetry")]

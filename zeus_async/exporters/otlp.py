@@ -55,6 +55,8 @@ _GPU_GAUGES = (
     ("sm_clock_hz", "hw.gpu.sm_clock", "Hz", 1.0),
 )
 _RAPL_TYPES = {"package": "cpu", "dram": "memory"}
+#: Longest an export (with the SDK's retries) may take, in seconds.
+_EXPORT_TIMEOUT_S = 2.0
 
 
 class OtlpExporter(ClosedOnExit):
@@ -115,7 +117,23 @@ class OtlpExporter(ClosedOnExit):
         self.events = 0
         attributes = {"service.name": "zeus_async", "host.name": socket.gethostname()}
         attributes.update(resource or {})
-        exporter = OTLPMetricExporter(endpoint=endpoint, headers=dict(headers or {}))
+        # A collector that does not answer costs one export's time at most, never the run's
+        # end (the SDK retries with back-off for up to this long), and one line, not a
+        # warning per retry.
+        self._timeout_s = min(interval_s, _EXPORT_TIMEOUT_S)
+        #: Exports that failed so far (the collector did not answer, or refused).
+        self.failed_exports = 0
+        self._failing = False
+        report = self._report
+
+        class Exporter(OTLPMetricExporter):
+            def export(self, *args: Any, **kwargs: Any) -> Any:
+                result = super().export(*args, **kwargs)
+                report(result)
+                return result
+
+        exporter = Exporter(endpoint=endpoint, headers=dict(headers or {}), timeout=self._timeout_s)
+        logging.getLogger(OTLPMetricExporter.__module__).setLevel(logging.CRITICAL)
         self._reader = PeriodicExportingMetricReader(
             exporter, export_interval_millis=interval_s * 1e3
         )
@@ -281,11 +299,29 @@ class OtlpExporter(ClosedOnExit):
 
         yield Observation(self.evicted, {"zeus.kind": "window"})
 
+    def _report(self, result: Any) -> None:
+        """One line when exports start failing, one when they work again (not one a try)."""
+        ok = getattr(result, "name", "") == "SUCCESS"
+        if not ok:
+            self.failed_exports += 1
+            if not self._failing:
+                self._failing = True
+                logger.warning(
+                    "OTLP export to %s failed (no answer within %.1f s, or refused); "
+                    "trying again every interval",
+                    self.endpoint,
+                    self._timeout_s,
+                )
+        elif self._failing:
+            self._failing = False
+            logger.warning("OTLP export to %s works again", self.endpoint)
+
     # -- lifecycle ------------------------------------------------------------------------------
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Export now (waits for the request); whether it succeeded."""
-        return bool(self._provider.force_flush(round(timeout_s * 1e3)))
+        flushed = bool(self._provider.force_flush(round(timeout_s * 1e3)))
+        return flushed and not self._failing  # the SDK says flushed even when it failed
 
     def close(self) -> None:
         """Export a last time and stop. Idempotent."""
@@ -293,6 +329,6 @@ class OtlpExporter(ClosedOnExit):
             return
         self._closed = True
         try:
-            self._provider.shutdown()
+            self._provider.shutdown(timeout_millis=self._timeout_s * 1e3)
         except Exception:
             logger.exception("stopping the OTLP exporter failed")
