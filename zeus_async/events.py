@@ -18,6 +18,7 @@ reordering fields requires a new schema version.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
@@ -42,10 +43,12 @@ __all__ = [
     "StreamInfo",
     "WindowClose",
     "WindowOpen",
+    "described_gpus",
     "event_kind",
     "event_to_dict",
     "event_to_json",
     "event_topic",
+    "window_energies",
 ]
 
 #: Version of this schema; carried in every frame header and recording header.
@@ -339,6 +342,25 @@ Event = (
 """The tagged union of every event kind."""
 
 EVENT_TYPES: Final[tuple[type[Any], ...]] = Event.__args__
+
+
+def window_energies(m: Measurement) -> Iterator[tuple[str, float]]:
+    """A window's joules per device key: ``gpu:N``, ``cpu:N`` (RAPL package), ``dram:N``."""
+    for prefix, energies in (
+        ("gpu", m.gpu_energy_j),
+        ("cpu", m.cpu_energy_j),
+        ("dram", m.dram_energy_j),
+    ):
+        for index, joules in (energies or {}).items():
+            yield f"{prefix}:{index}", joules
+
+
+def described_gpus(info: StreamInfo) -> Iterator[tuple[int, DeviceInfo]]:
+    """The GPUs a stream describes: ``(index, description)``."""
+    for device in info.devices:
+        kind, _, index = device.key.partition(":")
+        if kind == "gpu" and index.isdigit():
+            yield int(index), device
 
 
 def event_topic(event: Event) -> str:

@@ -37,7 +37,15 @@ import anyio.abc
 
 from .._exit import ClosedOnExit
 from ..errors import ConfigError
-from ..events import Event, GpuSample, Measurement, RaplSample, StreamInfo
+from ..events import (
+    Event,
+    GpuSample,
+    Measurement,
+    RaplSample,
+    StreamInfo,
+    described_gpus,
+    window_energies,
+)
 from ..runtime.hub import EventBatches, feed_batches
 
 __all__ = ["MISSING", "OtlpExporter"]
@@ -200,10 +208,8 @@ class OtlpExporter(ClosedOnExit):
                 elif type(e) is Measurement:
                     self._add_measurement(e)
                 elif type(e) is StreamInfo:
-                    for d in e.devices:
-                        kind, _, index = d.key.partition(":")
-                        if kind == "gpu" and index.isdigit():
-                            self._gpu_info[(e.host, int(index))] = (d.uuid, d.name)
+                    for gpu, d in described_gpus(e):
+                        self._gpu_info[(e.host, gpu)] = (d.uuid, d.name)
             self.events += n
 
     def _add_measurement(self, e: Measurement) -> None:
@@ -215,15 +221,10 @@ class OtlpExporter(ClosedOnExit):
                 self.evicted += 1
             devices = {}
         self._windows[key] = devices
-        for prefix, energies in (
-            ("gpu", e.gpu_energy_j),
-            ("cpu", e.cpu_energy_j),
-            ("dram", e.dram_energy_j),
-        ):
-            for index, joules in (energies or {}).items():
-                slot = devices.setdefault(f"{prefix}:{index}", [0.0, 0.0])
-                slot[0] += joules
-                slot[1] += 1
+        for device, joules in window_energies(e):
+            slot = devices.setdefault(device, [0.0, 0.0])
+            slot[0] += joules
+            slot[1] += 1
 
     async def run(self, stream: EventBatches | anyio.abc.ObjectReceiveStream[Event]) -> None:
         """Consume ``stream`` until it ends (a runtime consumer, batched or not)."""

@@ -77,7 +77,16 @@ from prometheus_client.samples import Sample
 from .._exit import ClosedOnExit
 from ..devices.base import GPU_FIELDS
 from ..errors import ConfigError
-from ..events import Event, GpuSample, Measurement, ProcessSample, RaplSample, StreamInfo
+from ..events import (
+    Event,
+    GpuSample,
+    Measurement,
+    ProcessSample,
+    RaplSample,
+    StreamInfo,
+    described_gpus,
+    window_energies,
+)
 from ..runtime.hub import EventBatches, feed_batches
 from .names import DEFAULT_PORT, NAME_SETS
 
@@ -559,11 +568,8 @@ class PrometheusExporter(ClosedOnExit):
         return row
 
     def _add_stream(self, e: StreamInfo) -> None:
-        for device in e.devices:
-            kind, _, index = device.key.partition(":")
-            if kind != "gpu" or not index.isdigit():
-                continue
-            key = (e.host, int(index))
+        for gpu, device in described_gpus(e):
+            key = (e.host, gpu)
             info = (device.uuid, device.name)
             if self._gpu_info.get(key) == info:
                 continue
@@ -619,21 +625,15 @@ class PrometheusExporter(ClosedOnExit):
         row.t_ns = e.t_ns
         row.values[0] = e.time_s
         row.values[1] = (row.values[1] or 0) + 1
-        for prefix, energies in (
-            ("gpu", e.gpu_energy_j),
-            ("cpu", e.cpu_energy_j),
-            ("dram", e.dram_energy_j),
-        ):
-            for index, joules in (energies or {}).items():
-                device = f"{prefix}:{index}"
-                dkey = (e.host, e.name, device)
-                drow = self._window_devices.get(dkey)
-                if drow is None:
-                    labels = _labels({"host": e.host, "window": e.name, "device": device})
-                    drow = self._window_devices[dkey] = _Row(labels, 2, e.t_ns)
-                drow.t_ns = e.t_ns
-                drow.values[0] = joules
-                drow.values[1] = (drow.values[1] or 0.0) + joules
+        for device, joules in window_energies(e):
+            dkey = (e.host, e.name, device)
+            drow = self._window_devices.get(dkey)
+            if drow is None:
+                labels = _labels({"host": e.host, "window": e.name, "device": device})
+                drow = self._window_devices[dkey] = _Row(labels, 2, e.t_ns)
+            drow.t_ns = e.t_ns
+            drow.values[0] = joules
+            drow.values[1] = (drow.values[1] or 0.0) + joules
 
     def _drop_window(self, key: tuple[str, str]) -> None:
         """Forget a window name and its per-device series (counted as evicted)."""
