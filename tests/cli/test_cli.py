@@ -226,7 +226,7 @@ def test_a_signal_before_the_body_starts_still_ends_the_command_cleanly() -> Non
     script = """
 import argparse, os, signal, sys
 import anyio
-from zeus_async._cli_common import run_command, until_stopped
+from zeus_async.cli.common import run_command, until_stopped
 
 async def command(args, out):
     os.kill(os.getpid(), signal.SIGINT)
@@ -247,8 +247,8 @@ sys.exit(anyio.run(run_command, command, argparse.Namespace(), sys.stdout))
 
 def test_ctrl_c_while_waiting_for_a_publisher_says_so() -> None:
     # It said "no publisher answered ... within 10 s" after 2 s once.
-    from zeus_async._cli_common import Interrupted, _stop_requested, wait_for_publisher
     from zeus_async.bus import Subscriber
+    from zeus_async.cli.common import Interrupted, _stop_requested, wait_for_publisher
 
     async def scenario() -> None:
         stop = anyio.Event()
@@ -272,14 +272,14 @@ async def _set_soon(event: anyio.Event) -> None:
 
 def test_version_verbosity_anywhere_and_a_description_for_every_command() -> None:
     from zeus_async import __version__
-    from zeus_async.cli import _build_parser
+    from zeus_async.cli import build_parser
 
     proc = run_cli("--version")
     assert proc.returncode == 0 and proc.stdout.strip() == f"zeus-async {__version__}"
     # -v after the command works as before it.
     proc = run_cli("monitor", "--backend", "sim", "--duration", "0.3", "-v")
     assert proc.returncode == 0 and "INFO " in proc.stderr, proc.stderr
-    parser = _build_parser()
+    parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert len(commands.choices) >= 10
     for name, command in commands.choices.items():

@@ -81,7 +81,9 @@ def test_replay_measures_the_windows_again(recordings: Path, tmp_path: Path) -> 
     assert proc.returncode == 0, proc.stderr
     n = sum(1 for _ in RecordingReader(recordings / "sim_windows.zarc"))
     assert f"replayed {n} events" in proc.stdout
-    assert proc.stdout.count("(= recorded)") == 6 and "(differs)" not in proc.stdout
+    table = proc.stdout.split("measured again from the replay:\n")[1].splitlines()
+    assert table[0].split() == ["window", "time", "s", "GPU", "energy", "J", "=", "recorded"]
+    assert [row.split()[-1] for row in table[2:]] == ["yes"] * 6
     original = list(RecordingReader(recordings / "sim_windows.zarc"))
     assert [e for e in RecordingReader(again) if e in original] == original
     # The replay adds its measurements, not a description of itself stamped today: the new

@@ -17,7 +17,7 @@ def _table(text: str, title: str) -> dict[str, tuple[str, str]]:
     lines = text.split(f"\n{title}\n", 1)[1].splitlines() if title else text.splitlines()
     start = next(i for i, line in enumerate(lines) if "energy J" in line)
     rows: dict[str, tuple[str, str]] = {}
-    for line in lines[start + 1 :]:
+    for line in lines[start + 2 :]:  # after the header and its rule
         cells = line.split()
         if not cells or not cells[0].startswith(("gpu:", "cpu:")):
             break

@@ -48,6 +48,10 @@ class AgentConfig(msgspec.Struct, frozen=True):
     fields: dict[str, float | None] | None = None
     adaptive_reads: bool = False
     publish: str | None = None
+    #: CURVE for ``publish``: the secret certificate file, and a directory of the client
+    #: certificates allowed (``None``: any client that knows the public key).
+    publish_curve_secret: str | None = None
+    publish_curve_allow: str | None = None
     log_file: str | None = None
     finalize_timeout_s: float = 0.5
     sim_config: str | None = None

@@ -387,6 +387,14 @@ async def _tell_owner(router: Any, dec: msgspec.msgpack.Decoder[Any], exc: BaseE
                     return
 
 
+def _publish_curve(cfg: AgentConfig) -> Any:
+    if cfg.publish_curve_secret is None:
+        return None
+    from ..bus.curve import load_server_keys
+
+    return load_server_keys(cfg.publish_curve_secret, allowed_clients_dir=cfg.publish_curve_allow)
+
+
 async def _run_runtime(
     cfg: AgentConfig,
     router: Any,
@@ -406,6 +414,7 @@ async def _run_runtime(
             fields=cfg.fields,
             adaptive_reads=cfg.adaptive_reads,
             publish=cfg.publish,
+            publish_curve=_publish_curve(cfg),
             sim_config=sim_config,
             windows=True,
             finalize_timeout_s=cfg.finalize_timeout_s,

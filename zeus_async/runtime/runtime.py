@@ -43,6 +43,7 @@ from ..events import ClockChange, DeviceFault, Event, PowerLimitChange, StreamIn
 if TYPE_CHECKING:
     from ..agent.journal import LeaseEntry, Setting
     from ..agent.leases import Leases
+    from ..bus.curve import CurveServerKeys
 from .hub import EventBatches, Hub
 from .processes import EnergyMeter, ProcessSampler, ProcessTracking
 from .sampler import Sampler
@@ -118,6 +119,8 @@ class Runtime:
         publish: A ZeroMQ endpoint to publish on (``tcp://127.0.0.1:5555``, ``ipc://...``) or a
             ready-made :class:`~zeus_async.bus.Publisher`. Publishing requires the asyncio
             backend.
+        publish_curve: CURVE server keys for the ``publish`` endpoint
+            (:func:`~zeus_async.bus.curve.load_server_keys`).
         sim_config: Simulator settings for the ``sim`` backend.
         shutdown_timeout_s: Bound on the orderly shutdown (draining consumers, flushing).
         consumers: Coroutine functions started (see :meth:`start_consumer`) before the first
@@ -165,6 +168,7 @@ class Runtime:
         clock: Clock | None = None,
         host: str | None = None,
         publish: str | Any | None = None,
+        publish_curve: CurveServerKeys | None = None,
         sim_config: object | None = None,
         shutdown_timeout_s: float = 2.0,
         rapl_root: str = "/sys/class/powercap",
@@ -199,6 +203,9 @@ class Runtime:
         self.clock: Clock = clock or RealClock()
         self.host = host or socket.gethostname()
         self._publish_arg = publish
+        if publish_curve is not None and not isinstance(publish, str):
+            raise ConfigError("publish_curve needs publish= an endpoint to bind")
+        self._publish_curve = publish_curve
         self._sim_config = sim_config
         self._shutdown_timeout_s = shutdown_timeout_s
         self._rapl_root = rapl_root
@@ -417,6 +424,7 @@ class Runtime:
                 host=self.host,
                 stream_id=self.stream_id,
                 stream_info=self.stream_info(),
+                curve=self._publish_curve,
             )
         else:
             self.publisher = self._publish_arg

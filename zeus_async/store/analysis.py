@@ -50,6 +50,7 @@ more with ``done_bytes == total_bytes`` when the pass ends.
 
 from __future__ import annotations
 
+import collections
 import csv
 import io
 import itertools
@@ -306,6 +307,11 @@ class Totals:
         }
 
 
+def _tag(event_type: type) -> str:
+    """The kind name of an event type (its msgspec tag)."""
+    return str(getattr(event_type, "__struct_config__").tag)  # noqa: B009 (mypy: not on type)
+
+
 @dataclass
 class _Loaded:
     columns: dict[str, dict[str, _Column]] = field(default_factory=dict)
@@ -317,6 +323,7 @@ class _Loaded:
     several_hosts: bool = False
     start_ns: int | None = None
     end_ns: int | None = None
+    types: collections.Counter[type] = field(default_factory=collections.Counter)
 
 
 def _load(reader: RecordingReader, progress: Progress | None) -> _Loaded:
@@ -328,7 +335,9 @@ def _load(reader: RecordingReader, progress: Progress | None) -> _Loaded:
     t_min: int | None = None
     t_max: int | None = None
     ticker = ProgressTicker(reader, progress)
+    types = out.types
     for batch in reader.batches():
+        types.update(map(type, batch))
         # Group the frame's samples per device, then extend each column in one go (C-level
         # map/extend instead of a Python step per value).
         stamps = list(map(_T_NS, batch))
@@ -447,6 +456,8 @@ class Recording:
         self._histories = loaded.histories
         self._spans = loaded.spans
         self._windows = loaded.windows
+        counts = {_tag(t): n for t, n in loaded.types.items()}
+        self._kinds = dict(sorted(counts.items()))
         self._streams = loaded.streams
         self._hosts = loaded.hosts
         self._several_hosts = loaded.several_hosts
@@ -513,6 +524,11 @@ class Recording:
             return list(self._columns)
         metric = self._check_metric(metric)
         return [d for d, cols in self._columns.items() if metric in cols]
+
+    def event_counts(self) -> dict[str, int]:
+        """How many events of each kind (``"gpu"``, ``"measurement"``...) the recording holds,
+        by kind name."""
+        return dict(self._kinds)
 
     def metrics(self, device: str | None = None) -> list[str]:
         """Metrics with at least one value (of ``device``, if given), in schema order."""

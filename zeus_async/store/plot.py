@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 from ..errors import ConfigError
 from ..events import GpuSample, Measurement, PowerLimitChange, WindowClose, WindowOpen
 from .outputs import claim_output
+from .progress import Progress, ProgressTicker
 from .reader import RecordingReader, RecoveryReport
 
 if TYPE_CHECKING:
@@ -116,8 +117,9 @@ class _Data:
     report: RecoveryReport = field(default_factory=RecoveryReport)
 
 
-def _read(reader: RecordingReader) -> _Data:
+def _read(reader: RecordingReader, progress: Progress | None = None) -> _Data:
     data = _Data()
+    ticker = ProgressTicker(reader, progress)
     first: int | None = None
     last: int | None = None
     for event in reader:
@@ -154,6 +156,8 @@ def _read(reader: RecordingReader) -> _Data:
             first = event.start_ns if first is None else min(first, event.start_ns)
         elif isinstance(event, PowerLimitChange):
             data.limits.setdefault(event.gpu, []).append(event)
+        ticker.tick()
+    ticker.finish()
     data.first_ns, data.last_ns = first, last
     data.report = reader.report
     return data
@@ -357,6 +361,7 @@ def plot_power(
     gpus: Collection[int] | None = None,
     dpi: int = 120,
     overwrite: bool = False,
+    progress: Progress | None = None,
 ) -> Path:
     """Draw per-GPU power over time, with measurement windows and power limits, to an image.
 
@@ -368,6 +373,8 @@ def plot_power(
         title: Figure title; default: host and start time of the recording.
         gpus: Plot only these GPU indices; ``None`` = every GPU in the recording.
         dpi: Resolution of raster output.
+        progress: ``progress(done_bytes, total_bytes)`` over the recording's read
+            (:mod:`~zeus_async.store.progress`).
 
     Returns:
         The path of the image written.
@@ -405,7 +412,7 @@ def plot_power(
         )
 
     reader = RecordingReader(recording)
-    data = _read(reader)
+    data = _read(reader, progress)
     available = sorted(data.gpus)
     if gpus is not None:
         missing = sorted(set(gpus) - set(available))

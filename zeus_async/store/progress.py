@@ -2,20 +2,19 @@
 
 Long operations take an optional ``progress(done_bytes, total_bytes)`` callback: bytes of the
 input file read so far, called about every :data:`PROGRESS_EVERY` events and once more at the
-end with ``done == total``. :func:`terminal_progress` renders it on a terminal.
+end with ``done == total``. The CLI draws it as a progress bar
+(:func:`zeus_async.cli.render.terminal_progress`).
 """
 
 from __future__ import annotations
 
 import logging
-import sys
-import time
 from collections.abc import Callable
-from typing import Final, TextIO
+from typing import Final
 
 from .reader import RecordingReader
 
-__all__ = ["PROGRESS_EVERY", "Progress", "ProgressTicker", "terminal_progress"]
+__all__ = ["PROGRESS_EVERY", "Progress", "ProgressTicker"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,34 +56,3 @@ class ProgressTicker:
     def finish(self) -> None:
         if self._progress is not None:
             self._progress(self._total, self._total)
-
-
-def terminal_progress(
-    label: str, stream: TextIO | None = None, *, min_interval_s: float = 0.1
-) -> Progress | None:
-    """A progress callback drawing ``label  42% 12.3/29.1 MB  3.1 s`` on one terminal line.
-
-    Returns ``None`` (no display) when ``stream`` (default: stderr) is not a terminal, so
-    redirected output stays clean. The line is finished with a newline at 100 %.
-    """
-    out = sys.stderr if stream is None else stream
-    if not out.isatty():
-        return None
-    t0 = time.monotonic()
-    last = [0.0]
-
-    def show(done: int, total: int) -> None:
-        now = time.monotonic()
-        finished = total > 0 and done >= total
-        if not finished and now - last[0] < min_interval_s:
-            return
-        last[0] = now
-        pct = 100.0 * done / total if total else 100.0
-        out.write(
-            f"\r{label}  {pct:5.1f}%  {done / 1e6:.1f}/{total / 1e6:.1f} MB  {now - t0:.1f} s"
-        )
-        if finished:
-            out.write("\n")
-        out.flush()
-
-    return show

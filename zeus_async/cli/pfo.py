@@ -5,18 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from collections.abc import Callable
 from typing import Any, TextIO
 
-from ._cli_common import until_stopped
-from ._cli_store import Command
+from .common import Command, positive_float, until_stopped
 
 __all__ = ["COMMANDS", "add_parsers"]
 
 logger = logging.getLogger(__name__)
 
 
-def add_parsers(sub: Any, positive_float: Callable[[str], float]) -> None:
+def add_parsers(sub: Any) -> None:
+    """Add ``pfo-server`` and ``pfo-plan`` to the CLI's subparsers."""
     srv = sub.add_parser(
         "pfo-server",
         help="serve per-instruction GPU clock plans to pipeline-parallel jobs",
@@ -56,8 +55,8 @@ def add_parsers(sub: Any, positive_float: Callable[[str], float]) -> None:
 
 
 async def _pfo_server(args: argparse.Namespace, out: TextIO) -> int:
-    from .optimizer.pipeline import DEFAULT_ENDPOINT, PfoServer, PfoSettings
-    from .optimizer.pipeline.settings import parse_setting
+    from ..optimizer.pipeline import DEFAULT_ENDPOINT, PfoServer, PfoSettings
+    from ..optimizer.pipeline.settings import parse_setting
 
     overrides: dict[str, Any] = {
         "scheduler": args.scheduler,
@@ -83,7 +82,7 @@ async def _pfo_server(args: argparse.Namespace, out: TextIO) -> int:
 
 
 async def _pfo_plan(args: argparse.Namespace, out: TextIO) -> int:
-    from .optimizer.pipeline import (
+    from ..optimizer.pipeline import (
         FrequencySchedule,
         InstructionProfile,
         InstructionProfilingResult,

@@ -1,4 +1,5 @@
-"""Pieces shared by the CLI's command modules (:mod:`zeus_async.cli`, ``_cli_store``)."""
+"""Pieces shared by the CLI's command modules: running a command under signal handling,
+argument types, exit codes and the one-line error. Imports no other CLI module."""
 
 from __future__ import annotations
 
@@ -7,22 +8,122 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import anyio
 import anyio.abc
+import msgspec
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from .bus import Subscriber
+    from ..bus import Subscriber
 
-__all__ = ["run_command", "stop_on_signals", "until_stopped", "wait_for_publisher"]
+__all__ = [
+    "EXIT_ERROR",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "CliError",
+    "Command",
+    "Interrupted",
+    "describe_error",
+    "positive_float",
+    "run_command",
+    "stop_on_signals",
+    "until_stopped",
+    "wait_for_publisher",
+]
 
 logger = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+
+
+class CliError(Exception):
+    """An error to report as one line on stderr."""
+
+
+# -- argument helpers ---------------------------------------------------------------------------
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip() != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 0,1 — got {text!r}"
+        ) from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one index, like 0 or 0,1")
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"indices must be >= 0, got {text!r}")
+    return values
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _seconds_at_least(what: str, minimum: float, shown: str) -> Callable[[str], float]:
+    """argparse type: a positive number of seconds, at least ``minimum`` (``shown`` in the
+    message: ``1 ms``, ``0.05 s``)."""
+
+    def parse(text: str) -> float:
+        value = positive_float(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"a {what} of {text} s is below the {shown} minimum")
+        return value
+
+    return parse
+
+
+#: The shortest sampling period the CLI accepts (s): one NVML read takes tens of µs, and
+#: the driver refreshes power every few ms at best.
+MIN_PERIOD_S = 0.001
+period = _seconds_at_least("sampling period", MIN_PERIOD_S, "1 ms")
+
+#: The fastest table refresh the CLI accepts (s): faster flickers, and costs CPU for nothing.
+MIN_REFRESH_S = 0.05
+refresh = _seconds_at_least("refresh", MIN_REFRESH_S, "0.05 s")
+
+
+def sim_config(text: str | None) -> Any:
+    if text is None:
+        return None
+    from ..devices.sim import SimConfig
+
+    raw = Path(text).read_bytes() if not text.lstrip().startswith("{") else text.encode()
+    try:
+        return msgspec.json.decode(raw, type=SimConfig)
+    except msgspec.DecodeError as exc:
+        raise CliError(f"invalid --sim-config: {exc}") from None
+
+
+#: A command: ``(args, out) -> exit status``, run by :func:`run_command`.
+Command = Callable[[argparse.Namespace, TextIO], Coroutine[Any, Any, int]]
+
+
+def exit_status(returncode: int) -> int:
+    """A child's status as a shell reports it: its exit code, or 128 + N when signal N killed
+    it (Popen's ``-N``; a Ctrl-C in a terminal reaches the command too: 130)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for the user: ``path: reason`` for a file error, else the message."""
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc)
 
 
 #: Set on the first SIGINT/SIGTERM while a command runs under :func:`run_command`.

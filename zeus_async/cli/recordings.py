@@ -1,7 +1,7 @@
 """The recording commands of the CLI: ``inspect``, ``export``, ``replay``, ``record``, ``plot``.
 
-Registered by :mod:`zeus_async.cli`; each command is a coroutine ``(args, out) -> exit code``.
-Long passes draw a progress line on stderr when it is a terminal.
+Long passes draw a progress bar (rich) on stderr when it is a terminal; ``record`` a status
+line with the events and bytes recorded so far.
 """
 
 from __future__ import annotations
@@ -11,16 +11,18 @@ import datetime
 import logging
 import sys
 import time
-from collections import Counter
-from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TextIO
 
 import anyio
 import msgspec
 
-from ._cli_common import (
+from ..errors import ConfigError
+from ..events import Event, StreamInfo
+from .common import (
+    Command,
     nonnegative_int,
+    positive_float,
     positive_int,
     report_streams,
     stop_when_streams_end,
@@ -28,14 +30,18 @@ from ._cli_common import (
     until_stopped,
     wait_for_publisher,
 )
-from .errors import ConfigError
-from .events import Event, StreamInfo, event_kind
+from .curve import (
+    add_client_curve_args,
+    add_server_curve_args,
+    client_curve_from_args,
+    server_curve_from_args,
+)
+from .monitor import TOTALS_COLUMNS, write_totals
+from .render import Column, counting_status, terminal_progress, write_table
 
 __all__ = ["COMMANDS", "add_parsers"]
 
 logger = logging.getLogger(__name__)
-
-Command = Callable[[argparse.Namespace, TextIO], Coroutine[Any, Any, int]]
 
 
 def _speed(text: str) -> float | None:
@@ -77,7 +83,7 @@ def _rotate_mb(text: str) -> float:
 MIN_SPEED = 0.001
 
 
-def add_parsers(sub: Any, positive_float: Callable[[str], float]) -> None:
+def add_parsers(sub: Any) -> None:
     """Add the recording commands to the CLI's subparsers."""
     ins = sub.add_parser("inspect", help="summary of a recording")
     ins.add_argument("file")
@@ -98,6 +104,7 @@ def add_parsers(sub: Any, positive_float: Callable[[str], float]) -> None:
         "--speed", type=_speed, default=1.0, help="pace factor, or 'max' (default: 1, real time)"
     )
     rep.add_argument("--publish", metavar="ENDPOINT", help="publish the replay on ZeroMQ")
+    add_server_curve_args(rep)
     rep.add_argument(
         "--wait-subscriber",
         type=positive_float,
@@ -124,6 +131,7 @@ def add_parsers(sub: Any, positive_float: Callable[[str], float]) -> None:
         "--wait", type=positive_float, default=10.0, help="give up if no publisher answers (s)"
     )
     rec.add_argument("--force", action="store_true", help="overwrite an existing recording")
+    add_client_curve_args(rec)
     rec.add_argument(
         "--until-end",
         action="store_true",
@@ -137,12 +145,6 @@ def add_parsers(sub: Any, positive_float: Callable[[str], float]) -> None:
     plo.add_argument("--force", action="store_true", help="overwrite an existing image")
 
 
-def _progress(label: str) -> Any:
-    from .store.progress import terminal_progress
-
-    return terminal_progress(label)
-
-
 def _when(t_ns: int) -> str:
     return (
         datetime.datetime.fromtimestamp(t_ns / 1e9, tz=datetime.timezone.utc).strftime(
@@ -152,14 +154,39 @@ def _when(t_ns: int) -> str:
     )
 
 
+#: ``inspect``'s process energy table.
+_PROCESS_TOTALS = (
+    Column("process", left=True),
+    Column("CPU J", keep=2),
+    Column("DRAM J", keep=1),
+    Column("GPU J", keep=3),
+    Column("total J"),
+    Column("time s", keep=4),
+)
+
+#: The window tables of ``inspect`` and ``replay`` (``replay`` adds "same as recorded").
+_WINDOWS = (
+    Column("window", left=True),
+    Column("time s"),
+    Column("GPU energy J"),
+)
+
+
+def _cell(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _window_rows(windows: Any) -> list[list[str]]:
+    return [[m.name, f"{m.time_s:.3f}", f"{sum(m.gpu_energy_j.values()):.2f}"] for m in windows]
+
+
 async def _inspect(args: argparse.Namespace, out: TextIO) -> int:
-    from .store import RecordingReader
-    from .store.analysis import Recording
+    from ..store import RecordingReader
+    from ..store.analysis import Recording
 
     reader = RecordingReader(args.file)
-    kinds: Counter[str] = Counter(event_kind(e) for e in reader)
     rec = await anyio.to_thread.run_sync(
-        lambda: Recording(args.file, progress=_progress("reading"))
+        lambda: Recording(args.file, progress=terminal_progress("reading"))
     )
     h = reader.header
     w = out.write
@@ -202,43 +229,49 @@ async def _inspect(args: argparse.Namespace, out: TextIO) -> int:
     for offset, reason in report.corrupt_frames:
         w(f"corrupt     frame at offset {offset}: {reason} (skipped)\n")
     w(f"duration    {rec.duration_s:.3f} s  ({_when(rec.start_ns)} .. {_when(rec.end_ns)})\n")
-    w("events      " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) + "\n")
+    w("events      " + ", ".join(f"{k} {n}" for k, n in rec.event_counts().items()) + "\n")
     w("metrics     " + (", ".join(rec.metrics()) or "none") + "\n")
     totals = rec.totals()
     if totals.devices:
-        w(f"\n{'device':<16}{'energy J':>12}{'time s':>9}{'mean W':>9}  method\n")
-        for key, t in totals.devices.items():
-            energy = "-" if t.energy_j is None else f"{t.energy_j:.2f}"
-            mean = "-" if t.mean_power_w is None else f"{t.mean_power_w:.1f}"
-            w(f"{key:<16}{energy:>12}{t.duration_s:>9.2f}{mean:>9}  {t.method}\n")
-        w(f"{'all GPUs':<16}{totals.gpu_energy_j:>12.2f}\n")
+        w("\n")
+        rows = [
+            [key, _cell(t.energy_j, 2), f"{t.duration_s:.2f}", _cell(t.mean_power_w, 1), t.method]
+            for key, t in totals.devices.items()
+        ]
+        footer = [["all GPUs", f"{totals.gpu_energy_j:.2f}", "", "", ""]]
+        write_table(out, TOTALS_COLUMNS, rows, footer=footer)
     if totals.processes:
-        w(f"\n{'process':<16}{'CPU J':>10}{'DRAM J':>10}{'GPU J':>12}{'total J':>12}")
-        w(f"{'time s':>9}\n")
+        w("\n")
+        rows = []
         for pid, p in totals.processes.items():
             cells = [p.cpu_energy_j, p.dram_energy_j, sum(p.gpu_energy_j.values())]
-            cpu_s, dram_s, gpu_s = ("-" if c is None else f"{c:.2f}" for c in cells)
-            w(f"{'pid ' + pid:<16}{cpu_s:>10}{dram_s:>10}{gpu_s:>12}{p.total_energy_j:>12.2f}")
-            w(f"{p.duration_s:>9.2f}\n")
+            rows.append(
+                [
+                    f"pid {pid}",
+                    *(_cell(c, 2) for c in cells),
+                    f"{p.total_energy_j:.2f}",
+                    f"{p.duration_s:.2f}",
+                ]
+            )
+        write_table(out, _PROCESS_TOTALS, rows)
     windows = rec.windows()
     if windows:
-        w(f"\n{len(windows)} measured window(s)")
         shown = windows[: max(args.windows, 0)]
+        w(f"\n{len(windows)} measured window(s)")
         w(f" (first {len(shown)}):\n" if len(shown) < len(windows) else ":\n")
-        for m in shown:
-            gpu = sum(m.gpu_energy_j.values())
-            w(f"  {m.name:<24}{m.time_s:>10.3f} s{gpu:>12.2f} J on GPUs\n")
+        if shown:
+            write_table(out, _WINDOWS, _window_rows(shown))
     return 0
 
 
 async def _export(args: argparse.Namespace, out: TextIO) -> int:
-    from .store.analysis import export_csv, export_jsonl
-    from .store.outputs import claim_output
+    from ..store.analysis import export_csv, export_jsonl
+    from ..store.outputs import claim_output
 
     fn = export_csv if args.format == "csv" else export_jsonl
     if args.output != "-":
         claim_output(args.output, inputs=[args.file], overwrite=args.force, what="export")
-    progress = _progress(f"exporting {args.format}") if args.output != "-" else None
+    progress = terminal_progress(f"exporting {args.format}") if args.output != "-" else None
     n = await anyio.to_thread.run_sync(
         lambda: fn(args.file, args.output, kinds=args.kind, progress=progress)
     )
@@ -248,13 +281,12 @@ async def _export(args: argparse.Namespace, out: TextIO) -> int:
 
 
 async def _replay(args: argparse.Namespace, out: TextIO) -> int:
-    from .aggregate import LiveTotals
-    from .aggregate.windows import ReplayedWindows
-    from .cli import render_totals
-    from .runtime import Runtime
-    from .store import RecordingReader
-    from .store.outputs import claim_output
-    from .store.replay import Replayer
+    from ..aggregate import LiveTotals
+    from ..aggregate.windows import ReplayedWindows
+    from ..runtime import Runtime
+    from ..store import RecordingReader
+    from ..store.outputs import claim_output
+    from ..store.replay import Replayer
 
     if args.record is not None:
         claim_output(
@@ -274,6 +306,7 @@ async def _replay(args: argparse.Namespace, out: TextIO) -> int:
         devices=[],
         host=reader.header.host or "replay",
         publish=args.publish,
+        publish_curve=server_curve_from_args(args, "--publish", args.publish),
         record=args.record,
         overwrite=args.force,
         consumers=[consume],
@@ -287,23 +320,22 @@ async def _replay(args: argparse.Namespace, out: TextIO) -> int:
             with anyio.move_on_after(args.wait_subscriber):
                 while rt.publisher.stats.subscriptions == 0:
                     await anyio.sleep(0.01)
-        replayer = Replayer(reader, speed=args.speed, progress=_progress("replaying"))
+        replayer = Replayer(reader, speed=args.speed, progress=terminal_progress("replaying"))
         async with until_stopped():
             await replayer.into_runtime(rt)
     out.write(f"replayed {replayer.events_published} events\n")
-    out.write("\nTotals\n" + "\n".join(render_totals(totals)) + "\n")
+    out.write("\nTotals\n")
+    write_totals(out, totals)
     if windows.results:
         live = {m.window_id: m for m in windows.recorded}
         out.write(f"\n{len(windows.results)} window(s) measured again from the replay:\n")
-        for m in windows.results[:20]:
-            gpu = sum(m.gpu_energy_j.values())
+        rows = _window_rows(windows.results[:20])
+        for row, m in zip(rows, windows.results, strict=False):
             rec = live.get(m.window_id)
-            same = (
-                ""
-                if rec is None
-                else ("  (= recorded)" if rec.gpu_energy_j == m.gpu_energy_j else "  (differs)")
+            row.append(
+                "-" if rec is None else ("yes" if rec.gpu_energy_j == m.gpu_energy_j else "NO")
             )
-            out.write(f"  {m.name:<24}{m.time_s:>10.3f} s{gpu:>12.2f} J on GPUs{same}\n")
+        write_table(out, (*_WINDOWS, Column("= recorded", keep=5)), rows)
     return 0
 
 
@@ -315,10 +347,10 @@ def _restamped(info: StreamInfo, start_ns: int) -> StreamInfo:
 
 
 async def _record(args: argparse.Namespace, out: TextIO) -> int:
-    from .bus import Subscriber
-    from .runtime.hub import EventBatches
-    from .store import Recorder, RecordingHeader
-    from .store.outputs import claim_output
+    from ..bus import Subscriber
+    from ..runtime.hub import EventBatches
+    from ..store import Recorder, RecordingHeader
+    from ..store.outputs import claim_output
 
     topics = args.topic or [""]
     count = 0
@@ -328,7 +360,8 @@ async def _record(args: argparse.Namespace, out: TextIO) -> int:
         raise ConfigError(f"cannot write {args.output}: no directory {folder}")
     claim_output(args.output, overwrite=args.force, what="recording", recording=True)
     start_ns = time.time_ns()
-    async with Subscriber(args.endpoints, topics=topics) as sub:
+    curve = client_curve_from_args(args)
+    async with Subscriber(args.endpoints, topics=topics, curve=curve) as sub:
         await wait_for_publisher(sub, args.endpoints, args.wait)
         infos = [_restamped(info, start_ns) for info in sub.ready_streams.values()]
         first = infos[0]
@@ -354,26 +387,29 @@ async def _record(args: argparse.Namespace, out: TextIO) -> int:
         out.flush()
         async with anyio.create_task_group() as tg:
             tg.start_soon(recorder.run, batches)
-            async with until_stopped(args.duration) as stop:
-                if args.until_end:
-                    stop.start_soon(stop_when_streams_end, sub.stats, stop.cancel_scope)
-                for info in infos:  # the handshake consumed them; keep them in the file
-                    await batches.send(info)
-                    count += 1
-                described = {info.stream_id for info in infos}
-                async for event in sub:
-                    if isinstance(event, StreamInfo):
-                        # Re-sent on each new subscription: one per stream in the file.
-                        if event.stream_id in described:
-                            continue
-                        described.add(event.stream_id)
-                        event = _restamped(event, start_ns)
-                    await batches.send(event)
-                    count += 1
-                    if args.count is not None and count >= args.count:
-                        break
-                    if args.until_end and streams_ended(sub.stats):
-                        break
+            with counting_status("recording") as status:
+                async with until_stopped(args.duration) as stop:
+                    if args.until_end:
+                        stop.start_soon(stop_when_streams_end, sub.stats, stop.cancel_scope)
+                    for info in infos:  # the handshake consumed them; keep them in the file
+                        await batches.send(info)
+                        count += 1
+                    described = {info.stream_id for info in infos}
+                    async for event in sub:
+                        if isinstance(event, StreamInfo):
+                            # Re-sent on each new subscription: one per stream in the file.
+                            if event.stream_id in described:
+                                continue
+                            described.add(event.stream_id)
+                            event = _restamped(event, start_ns)
+                        await batches.send(event)
+                        count += 1
+                        if count % 1024 == 0:
+                            status(f"{count} events, {sub.stats.frames_lost} frame(s) lost")
+                        if args.count is not None and count >= args.count:
+                            break
+                        if args.until_end and streams_ended(sub.stats):
+                            break
             batches.close()
         stats = sub.stats
     out.write(
@@ -385,10 +421,16 @@ async def _record(args: argparse.Namespace, out: TextIO) -> int:
 
 
 async def _plot(args: argparse.Namespace, out: TextIO) -> int:
-    from .store.plot import plot_power
+    from ..store.plot import plot_power
 
     path = await anyio.to_thread.run_sync(
-        lambda: plot_power(args.file, args.output, title=args.title, overwrite=args.force)
+        lambda: plot_power(
+            args.file,
+            args.output,
+            title=args.title,
+            overwrite=args.force,
+            progress=terminal_progress("reading"),
+        )
     )
     out.write(f"wrote {path}\n")
     return 0

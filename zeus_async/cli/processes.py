@@ -1,5 +1,5 @@
-"""CLI pieces for per-process metrics and Prometheus: shared options, the live process table,
-and the ``exporter`` command. Not a public interface."""
+"""Per-process metrics and metrics export in the CLI: the process options shared by ``monitor``
+and ``exporter``, the live process table, and the ``exporter`` command."""
 
 from __future__ import annotations
 
@@ -13,10 +13,23 @@ from typing import Any, TextIO
 
 import anyio
 
-from ._cli_common import fmt_cell as _fmt
-from ._cli_common import until_stopped, wait_for_publisher
-from .events import Event, ProcessSample
-from .exporters.names import DEFAULT_PORT, NAME_SETS
+from ..events import Event, ProcessSample
+from ..exporters.names import DEFAULT_PORT, NAME_SETS
+from .common import (
+    CliError,
+    Command,
+    exit_status,
+    int_list,
+    positive_float,
+    sim_config,
+    until_stopped,
+    wait_for_publisher,
+)
+from .common import fmt_cell as _fmt
+from .curve import add_client_curve_args, client_curve_from_args
+from .render import Column
+
+__all__ = ["COMMANDS", "PROCESS_COLUMNS", "ProcessTable", "add_parsers"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +87,8 @@ def command_of(args: argparse.Namespace) -> list[str]:
 
 def tracking_from_args(args: argparse.Namespace, command_pid: int | None) -> Any:
     """The :class:`~zeus_async.runtime.ProcessTracking` the options ask for, or ``None``."""
-    from .errors import ConfigError
-    from .runtime import ProcessTracking
+    from ..errors import ConfigError
+    from ..runtime import ProcessTracking
 
     if not args.process_period > 0:
         raise ConfigError(f"--process-period must be positive, got {args.process_period}")
@@ -129,7 +142,7 @@ class HeldCommand:
         import shutil
         import sys
 
-        from .errors import ConfigError
+        from ..errors import ConfigError
 
         program = command[0]
         if shutil.which(program) is None:
@@ -183,16 +196,11 @@ class ProcessTable:
         else:
             self.on_gpu[(event.pid, event.gpu)] = event
 
-    def lines(self) -> list[str]:
-        """Rows: pid, CPU %, PSS, CPU W, GPU SM %, GPU W (attributed), energy so far."""
+    def rows(self) -> list[list[str]]:
+        """One row per process (:data:`PROCESS_COLUMNS`): pid, CPU %, PSS, CPU and DRAM W, GPU
+        SM %, GPU W (attributed), energy so far."""
         pids = sorted(set(self.host_side) | {pid for pid, _ in self.on_gpu})
-        if not pids:
-            return []
-        header = (
-            f"{'process':<16}{'CPU %':>8}{'PSS MiB':>10}{'CPU W':>9}{'DRAM W':>9}"
-            f"{'GPU SM %':>10}{'GPU W':>9}{'energy J':>12}"
-        )
-        out = [header, "-" * len(header)]
+        rows = []
         for pid in pids:
             host = self.host_side.get(pid)
             gpus = [s for (p, _), s in self.on_gpu.items() if p == pid]
@@ -209,13 +217,32 @@ class ProcessTable:
                 parts += [host.cpu_energy_j, host.dram_energy_j]
             known = [p for p in parts if p is not None]
             energy = sum(known) if known else None
-            out.append(
-                f"{'pid ' + str(pid):<16}{_fmt(cpu):>8}{_fmt(pss, 2**20, 0):>10}"
-                f"{_fmt(None if host is None else host.cpu_power_w):>9}"
-                f"{_fmt(None if host is None else host.dram_power_w):>9}"
-                f"{_fmt(sm):>10}{_fmt(gpu_w):>9}{_fmt(energy, digits=2):>12}"
+            rows.append(
+                [
+                    f"pid {pid}",
+                    _fmt(cpu),
+                    _fmt(pss, 2**20, 0),
+                    _fmt(None if host is None else host.cpu_power_w),
+                    _fmt(None if host is None else host.dram_power_w),
+                    _fmt(sm),
+                    _fmt(gpu_w),
+                    _fmt(energy, digits=2),
+                ]
             )
-        return out
+        return rows
+
+
+#: The process table's columns (the first and the last stay in the narrowest terminal).
+PROCESS_COLUMNS = (
+    Column("process", left=True),
+    Column("CPU %", keep=4),
+    Column("PSS MiB", keep=2),
+    Column("CPU W", keep=3),
+    Column("DRAM W", keep=1),
+    Column("GPU SM %", keep=3),
+    Column("GPU W", keep=5),
+    Column("energy J"),
+)
 
 
 # -- exporter -----------------------------------------------------------------------------------
@@ -238,7 +265,7 @@ def add_prometheus_args(parser: Any, *, prefix: str) -> None:
     )
 
 
-def add_otlp_args(parser: Any, positive_float: Any) -> None:
+def add_otlp_args(parser: Any) -> None:
     """``--otlp URL`` and ``--otlp-interval S``: push to an OpenTelemetry collector."""
     parser.add_argument(
         "--otlp",
@@ -256,7 +283,8 @@ def add_otlp_args(parser: Any, positive_float: Any) -> None:
     )
 
 
-def add_exporter_parser(sub: Any, positive_float: Any, int_list: Any) -> None:
+def add_parsers(sub: Any) -> None:
+    """Add ``exporter`` to the CLI's subparsers."""
     exp = sub.add_parser(
         "exporter",
         help="serve GPU, RAPL, process and window metrics to Prometheus",
@@ -272,7 +300,7 @@ def add_exporter_parser(sub: Any, positive_float: Any, int_list: Any) -> None:
         help=f"HTTP port (default {DEFAULT_PORT}; dcgm-exporter's is 9400)",
     )
     add_prometheus_args(exp, prefix="--")
-    add_otlp_args(exp, positive_float)
+    add_otlp_args(exp)
     exp.add_argument(
         "--connect",
         nargs="+",
@@ -280,6 +308,7 @@ def add_exporter_parser(sub: Any, positive_float: Any, int_list: Any) -> None:
         default=None,
         help="export these ZeroMQ streams instead of sampling here",
     )
+    add_client_curve_args(exp, what="the --connect endpoints")
     exp.add_argument("--backend", choices=("auto", "nvml", "sim"), default="auto")
     exp.add_argument("--gpus", type=int_list, default=None, help="GPU indices, e.g. 0,1")
     exp.add_argument("--cpus", choices=("auto", "none"), default="auto", help="RAPL packages")
@@ -292,11 +321,13 @@ def add_exporter_parser(sub: Any, positive_float: Any, int_list: Any) -> None:
     add_process_args(exp)
 
 
-async def run_exporter(args: argparse.Namespace, out: TextIO, sim_config: Any) -> int:
+async def _exporter(args: argparse.Namespace, out: TextIO) -> int:
     """``zeus-async exporter``: sample (or subscribe) and serve until stopped."""
     if args.connect:
         return await _export_streams(args, out)
-    from .runtime import Runtime
+    if args.curve_secret is not None or args.curve_server is not None:
+        raise CliError("the CURVE options are for --connect (the metrics endpoint is HTTP)")
+    from ..runtime import Runtime
 
     command = command_of(args)
     held = start_command(command) if command else None
@@ -308,7 +339,7 @@ async def run_exporter(args: argparse.Namespace, out: TextIO, sim_config: Any) -
             gpus=args.gpus,
             cpus="auto" if args.cpus == "auto" else None,
             period_s=args.period,
-            sim_config=sim_config,
+            sim_config=sim_config(args.sim_config),
             processes=tracking,
             prometheus_port=args.port,
             prometheus_addr=args.addr,
@@ -339,25 +370,26 @@ async def _serve_until_done(args: argparse.Namespace, child: subprocess.Popen[by
         while True:
             await anyio.sleep(0.2)
             if child is not None and child.poll() is not None:
-                code = child.returncode
+                code = exit_status(child.returncode)
                 break
     return code
 
 
 async def _export_streams(args: argparse.Namespace, out: TextIO) -> int:
-    from .bus import Subscriber
-    from .exporters.prometheus import PrometheusExporter
+    from ..bus import Subscriber
+    from ..exporters.prometheus import PrometheusExporter
 
     otlp = None
     if args.otlp:
-        from .exporters.otlp import OtlpExporter
+        from ..exporters.otlp import OtlpExporter
 
         otlp = OtlpExporter(args.otlp, interval_s=args.otlp_interval)
     with PrometheusExporter(names=args.names) as exporter, contextlib.ExitStack() as stack:
         if otlp is not None:
             stack.callback(otlp.close)
         port = exporter.serve(args.port, args.addr)
-        async with Subscriber(args.connect, topics=[""]) as sub:
+        curve = client_curve_from_args(args)
+        async with Subscriber(args.connect, topics=[""], curve=curve) as sub:
             await wait_for_publisher(sub, args.connect, args.wait)
             out.write(
                 f"zeus-async exporter: http://{args.addr}:{port}/metrics, exporting "
@@ -370,3 +402,6 @@ async def _export_streams(args: argparse.Namespace, out: TextIO) -> int:
                     if otlp is not None:
                         otlp.add((event,))
     return 0
+
+
+COMMANDS: dict[str, Command] = {"exporter": _exporter}

@@ -1,0 +1,100 @@
+"""``zeus-async agent``: run the node agent in the foreground (or only restore what dead
+processes left changed, with ``--restore``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from ..errors import ZeusAsyncError
+from .common import EXIT_ERROR, EXIT_OK, CliError, describe_error, period, positive_float
+from .curve import add_server_curve_args, server_curve_from_args
+
+__all__ = ["SYNC_COMMANDS", "add_parsers"]
+
+logger = logging.getLogger(__name__)
+
+
+def add_parsers(sub: Any) -> None:
+    """Add ``agent`` to the CLI's subparsers."""
+    agt = sub.add_parser(
+        "agent",
+        help="run the node agent (one sampler for every client; restores settings)",
+        description="Run the node agent: it samples every GPU once and serves the Monitors, "
+        "optimizers and PFO clients of this user on this node, and puts back every power limit "
+        "and clock lock a client changed when the client releases it, exits or dies, and when "
+        "the agent stops. Its first act is to restore what dead processes left changed.",
+    )
+    agt.add_argument(
+        "--restore",
+        action="store_true",
+        help="only restore the settings dead processes left changed, then exit",
+    )
+    agt.add_argument("--backend", choices=("auto", "nvml", "sim"), default="auto")
+    agt.add_argument("--period", type=period, default=0.01, help="sampling period (s, >= 0.001)")
+    agt.add_argument("--adaptive", action="store_true", help="adaptive reads (see monitor)")
+    agt.add_argument("--publish", metavar="ENDPOINT", help="also publish on a ZeroMQ endpoint")
+    add_server_curve_args(agt)
+    agt.add_argument("--record", metavar="FILE", help="also record every event to FILE")
+    agt.add_argument("--force", action="store_true", help="overwrite an existing --record file")
+    agt.add_argument(
+        "--exit-when-idle",
+        type=positive_float,
+        default=None,
+        metavar="S",
+        help="stop S seconds after the last client left",
+    )
+
+
+def _agent(args: argparse.Namespace, out: TextIO) -> int:
+    """``zeus-async agent``: its own event loop and signal handling (restores come first)."""
+    from ..agent.client import node_agent_config
+    from ..agent.leases import recover_orphans
+    from ..agent.server import EXIT_AGENT_RUNNING, serve
+
+    try:
+        if args.restore:
+            restored = recover_orphans()
+            for r in restored:
+                what = "power limit" if r.entry.setting == "power_limit" else "locked clocks"
+                status = f"failed: {r.error}" if r.error else "restored"
+                out.write(f"{r.entry.uuid} {what} (left by pid {r.entry.pid}): {status}\n")
+            out.write(f"{len(restored)} setting(s) found to restore\n")
+            return EXIT_ERROR if any(r.error for r in restored) else EXIT_OK
+        cfg = node_agent_config(
+            backend=args.backend,
+            period_s=args.period,
+            adaptive_reads=args.adaptive,
+            publish=args.publish,
+            record=args.record,
+            overwrite=args.force,
+            exit_when_idle_s=args.exit_when_idle,
+            publish_curve_secret=args.curve_secret,
+            publish_curve_allow=args.curve_allow,
+        )
+        server_curve_from_args(args, "--publish", args.publish)  # checked before serving
+        if args.record is not None:
+            from ..store.outputs import claim_output
+
+            claim_output(args.record, overwrite=args.force, what="recording", recording=True)
+    except (ZeusAsyncError, CliError, OSError) as exc:
+        sys.stderr.write(f"zeus-async agent: {describe_error(exc)}\n")
+        return EXIT_ERROR
+    code = serve(cfg, ready_line=True)
+    if code == EXIT_AGENT_RUNNING:
+        sys.stderr.write("zeus-async agent: another agent is already running on this node\n")
+        return EXIT_ERROR
+    return EXIT_OK if code == 0 else EXIT_ERROR
+
+
+# -- entry point --------------------------------------------------------------------------------
+
+
+#: Exit status after the output pipe closed (128 + SIGPIPE, what a shell shows for `head`).
+
+
+#: Commands that run their own event loop: ``(args, out) -> exit status``.
+SYNC_COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO], int]] = {"agent": _agent}
