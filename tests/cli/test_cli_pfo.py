@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import signal
+import time
 from pathlib import Path
 
+import pytest
 from cli_helpers import popen, run_cli
 
 from zeus_async.optimizer.pipeline import (
@@ -86,3 +89,40 @@ def test_pfo_server_serves_until_interrupted(tmp_path: Path) -> None:
         server.send_signal(2)
         _, err = server.communicate(timeout=20)
     assert server.returncode == 0, err
+
+
+def _large_profile(path: Path, stages: int = 8, clocks: int = 40) -> None:
+    """GPU-like curves over many clocks: a plan of 8 stages x 48 microbatches takes this VM
+    well over ten seconds."""
+
+    def stage(s: int) -> OfflineProfilingResult:
+        freqs = [990 + 25 * k for k in range(clocks)]
+        w = 1.0 + 0.1 * s
+        t = {f: w * (0.004 + 0.02 * 990 / f) for f in freqs}
+        e = {f: t[f] * (80 + 400 * (f / 1980) ** 2.5) for f in freqs}
+        return OfflineProfilingResult(
+            rank=s, dp_rank=0, pp_rank=s, tp_rank=0,
+            forward_time=t, forward_energy=e,
+            backward_time={f: 2 * v for f, v in t.items()},
+            backward_energy={f: 2 * v for f, v in e.items()},
+        )  # fmt: skip
+
+    InstructionProfilingResult([stage(s) for s in range(stages)]).to_csv(path)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_pfo_plan_stops_within_a_second_of_a_signal(tmp_path: Path, signum: int) -> None:
+    csv = tmp_path / "profile.csv"
+    _large_profile(csv)
+    out = tmp_path / "plan.json"
+    proc = popen("pfo-plan", str(csv), "--microbatches", "48", "--out", str(out))
+    time.sleep(3.0)  # imports, reading, and into the walk
+    assert proc.poll() is None, proc.communicate()
+    sent = time.monotonic()
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=30)
+    took = time.monotonic() - sent
+    assert proc.returncode == 130, stderr
+    assert stderr.strip() == "zeus-async pfo-plan: interrupted while planning; no plan written"
+    assert took < 1.0, took
+    assert not out.exists() and stdout == ""

@@ -7,12 +7,14 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 import time
+import typing
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 import anyio
 import anyio.abc
@@ -39,6 +41,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
@@ -259,6 +263,30 @@ async def wait_for_publisher(sub: Subscriber, endpoints: Sequence[str], timeout:
         raise Interrupted(f"interrupted before a publisher answered at {', '.join(endpoints)}")
     if timed_out:
         raise ConfigError(f"no publisher answered at {', '.join(endpoints)} within {timeout:g} s")
+
+
+async def in_thread_until_stopped(fn: Callable[[], T], stop: threading.Event) -> T:
+    """Run ``fn`` in a worker thread, setting ``stop`` on SIGINT/SIGTERM (``fn`` watches it and
+    returns or raises soon after): a long computation that Ctrl-C ends within its own
+    polling interval, not only at its end."""
+    requested = _stop_requested.get()
+    outcome: list[Any] = []
+    async with anyio.create_task_group() as tg:
+        if requested is not None:
+
+            async def relay() -> None:
+                await requested.wait()
+                stop.set()
+
+            tg.start_soon(relay)
+        try:
+            outcome.append(await anyio.to_thread.run_sync(fn))
+        except Exception as exc:  # raised as itself below, not in the task group's group
+            outcome.append(exc)
+        tg.cancel_scope.cancel()
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return typing.cast("T", outcome[0])
 
 
 def fmt_cell(value: float | int | None, scale: float = 1.0, digits: int = 1) -> str:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import threading
 from typing import Any, TextIO
 
-from .common import Command, positive_float, until_stopped
+from .common import Command, Interrupted, in_thread_until_stopped, positive_float, until_stopped
+from .render import terminal_progress
 
 __all__ = ["COMMANDS", "add_parsers"]
 
@@ -87,6 +89,7 @@ async def _pfo_plan(args: argparse.Namespace, out: TextIO) -> int:
         InstructionProfile,
         InstructionProfilingResult,
         PipelineSchedule,
+        PlanningStopped,
         plan_frontier,
         write_plan,
     )
@@ -95,7 +98,22 @@ async def _pfo_plan(args: argparse.Namespace, out: TextIO) -> int:
     profile = InstructionProfile.from_rows(result.rows())
     stages = max(r.pp_rank for r in result.results) + 1
     schedule = PipelineSchedule(args.pipeline, stages, args.microbatches)
-    frontier = plan_frontier(profile, schedule, p_block_w=args.p_block)
+    bar = terminal_progress("planning", in_bytes=False)
+    stop = threading.Event()
+
+    def plan() -> Any:
+        return plan_frontier(
+            profile,
+            schedule,
+            p_block_w=args.p_block,
+            progress=None if bar is None else (lambda f: bar(round(f * 1000), 1000)),
+            stop=stop,
+        )
+
+    try:
+        frontier = await in_thread_until_stopped(plan, stop)
+    except PlanningStopped:
+        raise Interrupted("interrupted while planning; no plan written") from None
     target = args.target_time
     if args.max_slowdown is not None:
         target = frontier.fastest_time_s * (1.0 + args.max_slowdown)

@@ -235,10 +235,15 @@ def _stderr_terminal(stream: TextIO | None) -> TextIO | None:
 
 
 def terminal_progress(
-    label: str, stream: TextIO | None = None, *, min_interval_s: float = 0.1
+    label: str,
+    stream: TextIO | None = None,
+    *,
+    min_interval_s: float = 0.1,
+    in_bytes: bool = True,
 ) -> Callable[[int, int], None] | None:
     """A ``progress(done_bytes, total_bytes)`` callback (:mod:`zeus_async.store.progress`)
-    drawing a rich progress bar: percent, bytes, elapsed and remaining time.
+    drawing a rich progress bar: percent, bytes (unless not ``in_bytes``), elapsed and
+    remaining time.
 
     Returns ``None`` (no display) when ``stream`` (default: stderr) is not a terminal, so
     redirected output stays clean. The bar is left complete at 100 %.
@@ -250,7 +255,7 @@ def terminal_progress(
         TextColumn("{task.description}"),
         BarColumn(),
         TaskProgressColumn(),
-        DownloadColumn(),
+        *([DownloadColumn()] if in_bytes else []),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=Console(file=out),

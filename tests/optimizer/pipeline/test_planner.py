@@ -551,3 +551,22 @@ def test_single_clock_and_time_limit() -> None:
     full = plan_frontier(profile, schedule, exhaustive_limit=0)
     assert cut.fastest_time_s == full.fastest_time_s
     assert len(cut.points) < len(full.points)
+
+
+def test_progress_rises_to_one_and_a_stop_is_honoured() -> None:
+    import threading
+
+    from zeus_async.optimizer.pipeline import PlanningStopped
+
+    rng = random.Random(5)
+    clocks = [990 + 30 * k for k in range(30)]
+    profile = gpu_profile(rng, 4, clocks)
+    schedule = PipelineSchedule("1f1b", 4, 16)
+    seen: list[float] = []
+    frontier = plan_frontier(profile, schedule, exhaustive_limit=0, progress=seen.append)
+    assert seen[-1] == 1.0 and seen == sorted(seen) and all(0.0 <= f <= 1.0 for f in seen)
+    assert frontier == plan_frontier(profile, schedule, exhaustive_limit=0)  # same plans
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(PlanningStopped):
+        plan_frontier(profile, schedule, exhaustive_limit=0, stop=stop)

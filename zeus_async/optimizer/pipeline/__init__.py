@@ -28,7 +28,14 @@ from .messages import (
     save_ranks,
     save_sched,
 )
-from .planner import Frontier, FrontierPoint, InstructionProfile, PipelineSchedule, plan_frontier
+from .planner import (
+    Frontier,
+    FrontierPoint,
+    InstructionProfile,
+    PipelineSchedule,
+    PlanningStopped,
+    plan_frontier,
+)
 from .schedulers import (
     SCHEDULERS,
     FrequencyScheduler,
@@ -67,6 +74,7 @@ __all__ = [
     "PfoSettings",
     "PipelineFrequencyOptimizer",
     "PipelineSchedule",
+    "PlanningStopped",
     "PointSolution",
     "PointSolution3D",
     "ProfilingResult",

@@ -40,9 +40,10 @@ import heapq
 import itertools
 import logging
 import math
+import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -55,6 +56,7 @@ __all__ = [
     "FrontierPoint",
     "InstructionProfile",
     "PipelineSchedule",
+    "PlanningStopped",
     "evaluate",
     "plan_frontier",
 ]
@@ -793,7 +795,13 @@ class _Planner:
 
     # -- the relaxation's walk -----------------------------------------------------------------
 
-    def relax_walk(self, time_limit_s: float | None, out: _Record, samples: int = 0) -> None:
+    def relax_walk(
+        self,
+        time_limit_s: float | None,
+        out: _Record,
+        samples: int = 0,
+        report: _Progress | None = None,
+    ) -> None:
         """Walk the optimal time-energy curve of the convex relaxation (every instruction's
         options replaced by their lower convex hull, durations continuous) from the cheapest
         plan to the fastest, by Phillips-Dessouky steps: a minimum cut of the critical subgraph
@@ -865,6 +873,8 @@ class _Planner:
             if now - last_log > 1.0:
                 last_log = now
                 logger.debug("planner: step %d, T=%.6f s, %.1f s", steps, total, now - started)
+            if report is not None and t_slow > t_fast:
+                report(_WALK_SHARE * (t_slow - total) / (t_slow - t_fast))
             lf = _backward_pass(succs, d, total)
             tol = 1e-9 * total
             crit = [v for v in range(n) if lf[v] - es[v] - d[v] <= tol]
@@ -983,6 +993,36 @@ class _Planner:
         return delta  # pragma: no cover
 
 
+class PlanningStopped(Exception):
+    """:func:`plan_frontier` was stopped (its ``stop`` event was set)."""
+
+
+#: The share of :func:`plan_frontier`'s progress given to the walk (the rest: exact evaluation).
+_WALK_SHARE = 0.9
+
+
+class _Progress:
+    """Reports the fraction done at most every 0.1 s, and raises :class:`PlanningStopped` once
+    ``stop`` is set (checked at every report)."""
+
+    def __init__(
+        self, progress: Callable[[float], None] | None, stop: threading.Event | None
+    ) -> None:
+        self._progress = progress
+        self._stop = stop
+        self._last = 0.0
+
+    def __call__(self, fraction: float, *, force: bool = False) -> None:
+        if self._stop is not None and self._stop.is_set():
+            raise PlanningStopped("planning stopped")
+        if self._progress is None:
+            return
+        now = time.monotonic()
+        if force or now - self._last >= 0.1:
+            self._last = now
+            self._progress(min(max(fraction, 0.0), 1.0))
+
+
 def plan_frontier(
     profile: InstructionProfile,
     schedule: PipelineSchedule,
@@ -990,6 +1030,8 @@ def plan_frontier(
     p_block_w: float = 0.0,
     exhaustive_limit: int = 10_000,
     time_limit_s: float | None = None,
+    progress: Callable[[float], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> Frontier:
     """The time-energy Pareto frontier of clock plans for one training iteration.
 
@@ -1003,6 +1045,11 @@ def plan_frontier(
             of their non-dominated clocks) are solved exactly by enumerating every plan.
         time_limit_s: Stop the walk after this long (logs a warning; the frontier then lacks
             plans between the last one reached and the fastest); ``None``: no limit.
+        progress: Called with the fraction done (0 to 1), at most every 0.1 s and once at 1.0:
+            how far the walk is from the cheapest plan's iteration time to the fastest's
+            (most of the work), then the exact evaluation of the candidate plans.
+        stop: Set from another thread to abandon the planning: :class:`PlanningStopped` is
+            raised within one walk step (milliseconds, even on large pipelines).
 
     Returns:
         The frontier. Every point is a feasible plan whose time and energy are exactly what
@@ -1010,6 +1057,7 @@ def plan_frontier(
 
     Raises:
         ValueError: The profile does not cover the schedule, or ``p_block_w`` is negative.
+        PlanningStopped: ``stop`` was set.
 
     Algorithm: each instruction's clocks are reduced to the non-dominated ones (in time and
     energy - ``p_block_w`` * time) and their lower convex hull. The exact optimal curve of that
@@ -1026,13 +1074,14 @@ def plan_frontier(
     started = time.perf_counter()
     planner = _Planner(profile, schedule, p_block)
     dag = planner.dag
+    report = _Progress(progress, stop)
 
     plans: _Record = []
     exhaustive = planner.num_plans() <= exhaustive_limit
     if exhaustive:
         planner.enumerate_all(plans)
     else:
-        planner.relax_walk(time_limit_s, plans, _GRID_POINTS)
+        planner.relax_walk(time_limit_s, plans, _GRID_POINTS, report)
         # The all-fastest plan with its slack handed back.
         fastest = [0] * planner.n
         dur = planner.durations(fastest)
@@ -1048,7 +1097,11 @@ def plan_frontier(
             candidates.add(choice)
             best = min(best, energy)
     points: list[FrontierPoint] = []
-    for (total, energy), choice in sorted((planner.exact(c), c) for c in candidates):
+    exact = []
+    for n, c in enumerate(candidates):
+        exact.append((planner.exact(c), c))
+        report(_WALK_SHARE + (1.0 - _WALK_SHARE) * (n + 1) / len(candidates))
+    for (total, energy), choice in sorted(exact):
         if points and energy >= points[-1].energy_j:
             continue
         freqs = [planner.opt_freq[planner.spec[v]][c] for v, c in enumerate(choice)]
@@ -1066,4 +1119,5 @@ def plan_frontier(
         "exhaustive" if exhaustive else "relaxation walk",
         time.perf_counter() - started,
     )
+    report(1.0, force=True)
     return Frontier(points, max_freq_time, schedule, p_block)
