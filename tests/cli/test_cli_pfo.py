@@ -39,19 +39,19 @@ def test_pfo_plan_writes_a_point_solution_file(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     proc = run_cli("pfo-plan", str(csv), "--microbatches", "4", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
-    assert "frontier:" in proc.stdout and f"plan written to {out}" in proc.stdout
+    assert "frontier " in proc.stdout and f"plan        written to {out}" in proc.stdout
     plan = read_plan(out)
     assert [len(p) for p in plan] == [8, 8]  # 4 forwards + 4 backwards per stage
     # no slowdown (the chosen plan is as fast as the fastest), but clocks lowered where the
     # pipeline has slack: most of all on stage 1, which does half of stage 0's work
     fastest = float(proc.stdout.split("fastest ")[1].split(" s")[0])
-    chosen = float(proc.stdout.split("chosen:")[1].split(" s")[0])
+    chosen = float(proc.stdout.split("chosen")[1].split()[0])
     assert chosen <= fastest * (1 + 1e-9)
     assert sum(f < 1980 for _, f in plan[1]) > sum(f < 1980 for _, f in plan[0])
     slow = run_cli("pfo-plan", str(csv), "--microbatches", "4", "--max-slowdown", "0.5")
     assert slow.returncode == 0, slow.stderr
     relaxed = json.loads(slow.stdout.splitlines()[-1])
-    slow_time = float(slow.stdout.split("chosen:")[1].split(" s")[0])
+    slow_time = float(slow.stdout.split("chosen")[1].split()[0])
     assert fastest < slow_time <= 1.5 * fastest
     assert sum(f < 1980 for p in relaxed for _, f in p) > sum(f < 1980 for p in plan for _, f in p)
     bad = run_cli("pfo-plan", str(tmp_path / "missing.csv"), "--microbatches", "4")
@@ -61,7 +61,7 @@ def test_pfo_plan_writes_a_point_solution_file(tmp_path: Path) -> None:
 def test_pfo_server_settings_errors_are_one_line(tmp_path: Path) -> None:
     proc = run_cli("pfo-server", "--scheduler", "InstructionProfiler", "--duration", "1")
     assert proc.returncode == 1
-    assert "missing a required argument: 'num_microbatches'" in proc.stderr
+    assert "the InstructionProfiler scheduler needs num_microbatches" in proc.stderr
     assert "Traceback" not in proc.stderr
     proc = run_cli("pfo-server", "--scheduler-args", "{oops")
     assert proc.returncode == 1 and "--scheduler-args is not valid JSON" in proc.stderr
@@ -125,4 +125,126 @@ def test_pfo_plan_stops_within_a_second_of_a_signal(tmp_path: Path, signum: int)
     assert proc.returncode == 130, stderr
     assert stderr.strip() == "zeus-async pfo-plan: interrupted while planning; no plan written"
     assert took < 1.0, took
-    assert not out.exists() and stdout == ""
+    assert not out.exists() and stdout.startswith("P_block") and len(stdout.splitlines()) == 1
+
+
+def _lines(stdout: str) -> dict[str, str]:
+    return {line.split()[0]: line.split(maxsplit=1)[1] for line in stdout.splitlines()[:-1]}
+
+
+def test_pfo_plan_shows_the_baseline_the_saving_and_its_p_block(tmp_path: Path) -> None:
+    from zeus_async.optimizer.pipeline import (
+        InstructionProfile,
+        InstructionProfilingResult,
+        PipelineSchedule,
+    )
+    from zeus_async.optimizer.pipeline.planner import evaluate
+    from zeus_async.optimizer.pipeline.schedulers import write_blocking_power
+
+    csv = tmp_path / "profile.csv"
+    _profile(csv)
+    proc = run_cli("pfo-plan", str(csv), "--microbatches", "4", "--max-slowdown", "0.2")
+    assert proc.returncode == 0, proc.stderr
+    lines = _lines(proc.stdout)
+    assert lines["P_block"].startswith("0 W (not measured: give --p-block)")
+    # The baseline is every instruction at its top clock, evaluated exactly.
+    profile = InstructionProfile.from_rows(InstructionProfilingResult.from_csv(csv).rows())
+    schedule = PipelineSchedule("1f1b", 2, 4)
+    top = {
+        (stage, mb, name): 1980 for stage in range(2) for name, mb in schedule.stage_order(stage)
+    }
+    want_t, want_e = evaluate(profile, schedule, top)
+    base_t, base_e = (float(x.split()[0]) for x in lines["baseline"].split(", ")[:2])
+    assert (base_t, base_e) == (float(f"{want_t:.6g}"), float(f"{want_e:.6g}"))
+    chosen_t, chosen_e = (float(x.split()[0]) for x in lines["chosen"].split(", ")[:2])
+    saved = float(lines["saving"].split()[0])
+    assert saved == pytest.approx(base_e - chosen_e, rel=1e-5)
+    percent = float(lines["saving"].split("(")[1].split()[0])
+    assert percent == pytest.approx(100 * (base_e - chosen_e) / base_e, abs=0.01)
+    assert chosen_e < base_e and chosen_t <= base_t * 1.2 * (1 + 1e-6)
+    # The blocking power the server measured, kept beside the profile, is used and said.
+    write_blocking_power(csv, 55.5)
+    measured = run_cli("pfo-plan", str(csv), "--microbatches", "4")
+    assert _lines(measured.stdout)["P_block"].startswith("55.5 W (measured while profiling)")
+    given = run_cli("pfo-plan", str(csv), "--microbatches", "4", "--p-block", "10")
+    assert _lines(given.stdout)["P_block"].startswith("10 W (given)")
+    e_measured = float(_lines(measured.stdout)["chosen"].split(", ")[1].split()[0])
+    e_given = float(_lines(given.stdout)["chosen"].split(", ")[1].split()[0])
+    assert e_measured > e_given  # idle time costs more at 55.5 W
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["--microbatches", "0"], 2, "--microbatches: expected a whole number >= 1, got '0'"),
+        (["--microbatches", "4", "--max-slowdown", "-0.5"], 2, "expected a number >= 0"),
+        (["--microbatches", "4", "--p-block", "-1"], 2, "expected a number >= 0"),
+        (
+            ["--microbatches", "4", "--target-time", "0.001"],
+            1,
+            "target iteration time 0.001 s is below the fastest achievable",
+        ),
+    ],
+)
+def test_pfo_plan_bad_input(tmp_path: Path, args: list[str], code: int, message: str) -> None:
+    csv = tmp_path / "profile.csv"
+    _profile(csv)
+    proc = run_cli("pfo-plan", str(csv), *args)
+    assert proc.returncode == code
+    assert message in proc.stderr
+    assert "Error:" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"\xff\xfe", "not a usable instruction profile: 'utf-8' codec can't decode"),
+        (b"a,b\n", "not a usable instruction profile: "),
+        (b"", "not a usable instruction profile: "),
+    ],
+)
+def test_pfo_plan_unusable_profiles_are_one_line(
+    tmp_path: Path, content: bytes, message: str
+) -> None:
+    csv = tmp_path / "profile.csv"
+    csv.write_bytes(content)
+    proc = run_cli("pfo-plan", str(csv), "--microbatches", "4")
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert "Error:" not in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "the PointSolution scheduler needs solution_path: give --scheduler-args"),
+        (
+            ["--scheduler", "FrontierPlanner", "--scheduler-args", '{"num_microbatches": -3}'],
+            "num_microbatches must be a whole number >= 1, not -3",
+        ),
+        (
+            [
+                "--scheduler",
+                "FrontierPlanner3D",
+                "--scheduler-args",
+                '{"num_microbatches": 4, "pipeline": "zb"}',
+            ],
+            "pipeline must be one of 1f1b, gpipe, not 'zb'",
+        ),
+        (
+            [
+                "--scheduler",
+                "InstructionProfiler",
+                "--scheduler-args",
+                '{"num_microbatches": 4, "patiense": 3}',
+            ],
+            "takes no patiense",
+        ),
+    ],
+)
+def test_pfo_server_checks_scheduler_arguments_at_start(args: list[str], message: str) -> None:
+    proc = run_cli("pfo-server", "--no-dump", "--duration", "1", *args)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr

@@ -78,6 +78,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def nonnegative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
 def _seconds_at_least(what: str, minimum: float, shown: str) -> Callable[[str], float]:
     """argparse type: a positive number of seconds, at least ``minimum`` (``shown`` in the
     message: ``1 ms``, ``0.05 s``)."""

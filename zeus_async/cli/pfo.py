@@ -8,7 +8,16 @@ import logging
 import threading
 from typing import Any, TextIO
 
-from .common import Command, Interrupted, in_thread_until_stopped, positive_float, until_stopped
+from .common import (
+    CliError,
+    Command,
+    Interrupted,
+    in_thread_until_stopped,
+    nonnegative_float,
+    positive_float,
+    positive_int,
+    until_stopped,
+)
 from .render import terminal_progress
 
 __all__ = ["COMMANDS", "add_parsers"]
@@ -47,12 +56,34 @@ def add_parsers(sub: Any) -> None:
         ),
     )
     plan.add_argument("profile", help="instruction profile CSV (InstructionProfiler output)")
-    plan.add_argument("--microbatches", type=int, required=True)
+    plan.add_argument(
+        "--microbatches", type=positive_int, required=True, help="microbatches per iteration"
+    )
     plan.add_argument("--pipeline", choices=("1f1b", "gpipe"), default="1f1b")
     goal = plan.add_mutually_exclusive_group()
-    goal.add_argument("--target-time", type=positive_float, default=None, metavar="S")
-    goal.add_argument("--max-slowdown", type=float, default=None, metavar="FRACTION")
-    plan.add_argument("--p-block", type=float, default=0.0, metavar="W", help="blocking power")
+    goal.add_argument(
+        "--target-time",
+        type=positive_float,
+        default=None,
+        metavar="S",
+        help="the least-energy plan within this iteration time",
+    )
+    goal.add_argument(
+        "--max-slowdown",
+        type=nonnegative_float,
+        default=None,
+        metavar="FRACTION",
+        help="the least-energy plan within (1 + FRACTION) x the fastest plan's time",
+    )
+    plan.add_argument(
+        "--p-block",
+        type=nonnegative_float,
+        default=None,
+        metavar="W",
+        help="blocking power: what a GPU draws while it waits on another stage, charged for "
+        "idle time (default: what the server measured while profiling, kept beside the "
+        "profile as NAME.p_block.json; else 0)",
+    )
     plan.add_argument("--out", default=None, help="write the plan here (.json)")
 
 
@@ -93,11 +124,31 @@ async def _pfo_plan(args: argparse.Namespace, out: TextIO) -> int:
         plan_frontier,
         write_plan,
     )
+    from ..optimizer.pipeline.schedulers import read_blocking_power
 
-    result = InstructionProfilingResult.from_csv(args.profile)
-    profile = InstructionProfile.from_rows(result.rows())
-    stages = max(r.pp_rank for r in result.results) + 1
-    schedule = PipelineSchedule(args.pipeline, stages, args.microbatches)
+    try:
+        result = InstructionProfilingResult.from_csv(args.profile)
+        p_block, measured = args.p_block, False
+        if p_block is None:
+            found = read_blocking_power(args.profile)
+            p_block, measured = (0.0, False) if found is None else (found, True)
+        profile = InstructionProfile.from_rows(result.rows())
+        stages = max((r.pp_rank for r in result.results), default=-1) + 1
+        if stages == 0:
+            raise ValueError("it holds no rows")
+        schedule = PipelineSchedule(args.pipeline, stages, args.microbatches)
+        profile.check_covers(schedule)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CliError(f"{args.profile}: not a usable instruction profile: {exc}") from None
+    where = (
+        "given"
+        if args.p_block is not None
+        else ("measured while profiling" if measured else "not measured: give --p-block")
+    )
+    out.write(
+        f"P_block     {p_block:.6g} W ({where}): idle time is charged at this power, as the "
+        "server does\n"
+    )
     bar = terminal_progress("planning", in_bytes=False)
     stop = threading.Event()
 
@@ -105,7 +156,7 @@ async def _pfo_plan(args: argparse.Namespace, out: TextIO) -> int:
         return plan_frontier(
             profile,
             schedule,
-            p_block_w=args.p_block,
+            p_block_w=p_block,
             progress=None if bar is None else (lambda f: bar(round(f * 1000), 1000)),
             stop=stop,
         )
@@ -117,9 +168,23 @@ async def _pfo_plan(args: argparse.Namespace, out: TextIO) -> int:
     target = args.target_time
     if args.max_slowdown is not None:
         target = frontier.fastest_time_s * (1.0 + args.max_slowdown)
-    point = frontier.pick(target)
-    out.write(f"frontier: {len(frontier.points)} plans, fastest {frontier.fastest_time_s:.6g} s\n")
-    out.write(f"chosen:   {point.iteration_time_s:.6g} s, {point.energy_j:.6g} J per iteration\n")
+    try:
+        point = frontier.pick(target)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    base_t, base_e = frontier.max_frequency_time_s, frontier.max_frequency_energy_j
+    out.write(
+        f"frontier    {len(frontier.points)} plans, fastest {frontier.fastest_time_s:.6g} s\n"
+    )
+    out.write(
+        f"baseline    {base_t:.6g} s, {base_e:.6g} J per iteration (every clock at its top)\n"
+    )
+    out.write(f"chosen      {point.iteration_time_s:.6g} s, {point.energy_j:.6g} J per iteration\n")
+    saved = base_e - point.energy_j
+    out.write(
+        f"saving      {saved:.6g} J per iteration ({100 * saved / base_e:.2f} % of the energy), "
+        f"time {100 * (point.iteration_time_s / base_t - 1):+.2f} %\n"
+    )
     if args.out:
         write_plan(
             args.out,
@@ -128,7 +193,7 @@ async def _pfo_plan(args: argparse.Namespace, out: TextIO) -> int:
                 for s in range(stages)
             ],
         )
-        out.write(f"plan written to {args.out}\n")
+        out.write(f"plan        written to {args.out}\n")
     else:
         out.write(json.dumps([point.stage_plan(schedule, s) for s in range(stages)]) + "\n")
     return 0

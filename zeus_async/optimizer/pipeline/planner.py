@@ -333,12 +333,15 @@ class Frontier(msgspec.Struct, frozen=True):
             clock (the "no slowdown" reference of :meth:`pick`).
         schedule: The schedule planned for.
         p_block_w: Idle power the energies include, W.
+        max_frequency_energy_j: Energy of that all-highest-clock plan (the baseline a plan's
+            saving is measured against), with the same ``p_block_w``.
     """
 
     points: list[FrontierPoint]
     max_frequency_time_s: float
     schedule: PipelineSchedule
     p_block_w: float = 0.0
+    max_frequency_energy_j: float = math.nan
 
     @property
     def fastest_time_s(self) -> float:
@@ -359,8 +362,8 @@ class Frontier(msgspec.Struct, frozen=True):
             raise ValueError("target_time_s must be a number, got NaN")
         if target < self.fastest_time_s:
             raise ValueError(
-                f"target iteration time {target!r} s is below the fastest achievable "
-                f"{self.fastest_time_s!r} s"
+                f"target iteration time {target:.6g} s is below the fastest achievable "
+                f"{self.fastest_time_s:.6g} s"
             )
         times = [p.iteration_time_s for p in self.points]
         return self.points[bisect.bisect_right(times, target) - 1]
@@ -1108,7 +1111,7 @@ def plan_frontier(
         points.append(FrontierPoint(total, energy, dict(zip(dag.keys, freqs, strict=True))))
 
     max_freq_plan = {key: max(profile.measurements(key[0], key[2])) for key in dag.keys}
-    max_freq_time, _ = evaluate(profile, schedule, max_freq_plan, p_block_w=p_block)
+    max_freq_time, max_freq_energy = evaluate(profile, schedule, max_freq_plan, p_block_w=p_block)
     logger.debug(
         "planner: %s %dx%d, %d frontier points from %d plans (%s) in %.3f s",
         schedule.kind,
@@ -1120,4 +1123,4 @@ def plan_frontier(
         time.perf_counter() - started,
     )
     report(1.0, force=True)
-    return Frontier(points, max_freq_time, schedule, p_block)
+    return Frontier(points, max_freq_time, schedule, p_block, max_freq_energy)

@@ -268,12 +268,42 @@ def write_plan(path: str | Path, schedules: Sequence[FrequencySchedule]) -> None
     Path(path).write_bytes(msgspec.json.encode(plan))
 
 
+def blocking_power_path(profile_csv: str | Path) -> Path:
+    """Where the blocking power measured with an instruction profile is kept: beside it,
+    ``<name>.p_block.json`` (``{"p_block_w": W}``)."""
+    path = Path(profile_csv)
+    return path.with_name(path.stem + ".p_block.json")
+
+
+def write_blocking_power(profile_csv: str | Path, p_block_w: float | None) -> None:
+    """Keep the blocking power measured while profiling beside the profile."""
+    if p_block_w is not None:
+        blocking_power_path(profile_csv).write_bytes(msgspec.json.encode({"p_block_w": p_block_w}))
+
+
+def read_blocking_power(profile_csv: str | Path) -> float | None:
+    """The blocking power measured with a profile (W), or ``None`` when none was kept."""
+    path = blocking_power_path(profile_csv)
+    if not path.exists():
+        return None
+    try:
+        value = msgspec.json.decode(path.read_bytes(), type=dict[str, float])["p_block_w"]
+    except (msgspec.DecodeError, msgspec.ValidationError, KeyError) as exc:
+        raise ConfigError(f"{path}: not a blocking power file: {exc}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{path}: p_block_w must be >= 0, not {value!r}")
+    return value
+
+
 class PointSolution(FrequencyScheduler):
     """Serves the plan in ``solution_path`` (see :func:`read_plan`), one entry per rank."""
 
     @classmethod
     def validate_args(cls, **scheduler_args: Any) -> None:
-        read_plan(scheduler_args["solution_path"])
+        path = scheduler_args["solution_path"]
+        if not isinstance(path, str):
+            raise ConfigError(f"solution_path must be a path, not {path!r}")
+        read_plan(path)
 
     def __init__(
         self,
@@ -334,6 +364,54 @@ def _mean_breakdown(result: ProfilingResult, instr: str) -> tuple[float, float] 
     return math.fsum(times) / len(times), math.fsum(energies) / len(energies)
 
 
+def _check_profiler_args(
+    num_microbatches: Any = 1,
+    pipeline: Any = "1f1b",
+    frequency_step: Any = 1,
+    minimum_frequency: Any = 0,
+    patience: Any = 2,
+    output_csv: Any = None,
+    target_time_s: Any = None,
+    max_slowdown: Any = None,
+    p_block_w: Any = None,
+) -> None:
+    """Check the values of :class:`InstructionProfiler`'s and :class:`FrontierPlanner`'s
+    arguments (at server start, and again when a job builds its scheduler)."""
+
+    def whole(name: str, value: Any, minimum: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigError(f"{name} must be a whole number >= {minimum}, not {value!r}")
+
+    def number(name: str, value: Any, *, positive: bool) -> None:
+        if value is None:
+            return
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok or not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise ConfigError(
+                f"{name} must be a number {'>' if positive else '>='} 0, not {value!r}"
+            )
+
+    whole("num_microbatches", num_microbatches, 1)
+    whole("frequency_step", frequency_step, 1)
+    whole("minimum_frequency", minimum_frequency, 0)
+    whole("patience", patience, 1)
+    if pipeline not in PIPELINES:
+        raise ConfigError(f"pipeline must be one of {', '.join(PIPELINES)}, not {pipeline!r}")
+    if output_csv is not None and (
+        not isinstance(output_csv, str) or not output_csv.endswith(".csv")
+    ):
+        raise ConfigError(f"output_csv must be a path ending in .csv, not {output_csv!r}")
+    number("target_time_s", target_time_s, positive=True)
+    number("max_slowdown", max_slowdown, positive=False)
+    number("p_block_w", p_block_w, positive=False)
+    if target_time_s is not None and max_slowdown is not None:
+        raise ConfigError("give target_time_s or max_slowdown, not both")
+
+
+#: Pipeline schedules the profiler and planner know.
+PIPELINES = ("1f1b", "gpipe")
+
+
 class InstructionProfiler(FrequencyScheduler):
     """Profile every stage's forward and backward at decreasing SM clocks, one per round.
 
@@ -366,10 +444,9 @@ class InstructionProfiler(FrequencyScheduler):
         patience: int = 2,
         output_csv: str | None = None,
     ) -> None:
-        if frequency_step < 1 or patience < 1:
-            raise ConfigError("frequency_step and patience must be >= 1")
-        if num_microbatches < 1:
-            raise ConfigError(f"num_microbatches must be >= 1, not {num_microbatches}")
+        _check_profiler_args(
+            num_microbatches, pipeline, frequency_step, minimum_frequency, patience, output_csv
+        )
         try:
             self.pipeline = PipelineSchedule(pipeline, job_info.pp_degree, num_microbatches)  # type: ignore[arg-type]
         except ValueError as exc:
@@ -383,6 +460,10 @@ class InstructionProfiler(FrequencyScheduler):
         #: Blocking power (W) estimated from the profiling rounds (idle time and energy).
         self.blocking_power_w: float | None = None
         super().__init__(job_info, rank_infos, pfo_settings)
+
+    @classmethod
+    def validate_args(cls, **scheduler_args: Any) -> None:
+        _check_profiler_args(**scheduler_args)
 
     def _stage_infos(self) -> dict[int, RankInfo]:
         infos: dict[int, RankInfo] = {}
@@ -484,7 +565,13 @@ class InstructionProfiler(FrequencyScheduler):
         if out is not None:
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             self.profile.to_csv(out)
-            logger.info("job %s: instruction profile written to %s", self.job_info.job_id, out)
+            write_blocking_power(out, self.blocking_power_w)
+            logger.info(
+                "job %s: instruction profile written to %s (P_block %.1f W measured)",
+                self.job_info.job_id,
+                out,
+                self.blocking_power_w,
+            )
 
     def _run(self) -> ScheduleGen:
         yield from self._profile_rounds()
@@ -519,12 +606,12 @@ class FrontierPlanner(InstructionProfiler):
         max_slowdown: float | None = None,
         p_block_w: float | None = None,
     ) -> None:
-        if target_time_s is not None and max_slowdown is not None:
-            raise ConfigError("give target_time_s or max_slowdown, not both")
-        if max_slowdown is not None and max_slowdown < 0:
-            raise ConfigError(f"max_slowdown must be >= 0, not {max_slowdown}")
-        if p_block_w is not None and p_block_w < 0:
-            raise ConfigError(f"p_block_w must be >= 0, not {p_block_w}")
+        _check_profiler_args(
+            num_microbatches,
+            target_time_s=target_time_s,
+            max_slowdown=max_slowdown,
+            p_block_w=p_block_w,
+        )
         self.target_time_s = target_time_s
         self.max_slowdown = max_slowdown
         self.p_block_w = p_block_w

@@ -125,13 +125,32 @@ class PfoSettings(msgspec.Struct, kw_only=True, frozen=True):
     def check_scheduler_args(self, scheduler: type[FrequencyScheduler]) -> None:
         """Raise ``ConfigError`` unless ``scheduler_args`` fit ``scheduler``'s constructor."""
         signature = inspect.signature(scheduler)
-        full = {**self.scheduler_args, "job_info": None, "rank_infos": None, "pfo_settings": None}
-        try:
-            signature.bind(**full)
-        except TypeError as exc:
+        given = ("job_info", "rank_infos", "pfo_settings")
+        variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        params = [
+            p
+            for name, p in signature.parameters.items()
+            if name not in given and p.kind not in variadic
+        ]
+        open_ended = any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()
+        )
+        required = [p.name for p in params if p.default is inspect.Parameter.empty]
+        missing = [name for name in required if name not in self.scheduler_args]
+        if missing:
+            example = json.dumps({name: "..." for name in missing})
             raise ConfigError(
-                f"invalid scheduler_args for {scheduler.__name__}{signature}: {exc}"
-            ) from None
+                f"the {scheduler.__name__} scheduler needs {', '.join(missing)}: give "
+                f"--scheduler-args '{example}' (or ZEUS_PFO_SCHEDULER_ARGS), or choose another "
+                "--scheduler"
+            )
+        known = {p.name for p in params}
+        unknown = sorted(set(self.scheduler_args) - known)
+        if unknown and not open_ended:
+            raise ConfigError(
+                f"the {scheduler.__name__} scheduler takes no {', '.join(unknown)} (it takes: "
+                f"{', '.join(sorted(known)) or 'nothing'})"
+            )
         scheduler.validate_args(**self.scheduler_args)
 
 
