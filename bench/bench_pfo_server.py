@@ -71,9 +71,10 @@ def client_proc(endpoint: str, ranks: list[int], conn: Connection) -> None:
     _roundtrip(socks, [p.encoder.encode(p.Info(job_id="")) for _ in ranks])  # warm up
     conn.send("ready")
     while True:
-        job_id = conn.recv()
-        if job_id is None:
+        got_job = conn.recv()
+        if got_job is None:
             break
+        job_id, token = got_job
         infos = [
             RankInfo(
                 rank=r, dp_rank=r // PP, pp_rank=r % PP, tp_rank=0, available_frequencies=FREQS
@@ -82,11 +83,15 @@ def client_proc(endpoint: str, ranks: list[int], conn: Connection) -> None:
         ]
         regs = _roundtrip(
             socks,
-            [p.encoder.encode(p.RegisterRank(job_id=job_id, rank=info)) for info in infos],
+            [
+                p.encoder.encode(p.RegisterRank(job_id=job_id, rank=info, token=token))
+                for info in infos
+            ],
         )
         assert all(isinstance(r, p.Ok) for r in regs), regs[:3]
         got = _roundtrip(
-            socks, [p.encoder.encode(p.GetSchedule(job_id=job_id, rank=r)) for r in ranks]
+            socks,
+            [p.encoder.encode(p.GetSchedule(job_id=job_id, rank=r, token=token)) for r in ranks],
         )
         for r, reply in zip(ranks, got, strict=True):
             assert isinstance(reply, p.ScheduleReply) and reply.schedule.rank == r, reply
@@ -146,7 +151,7 @@ def main() -> None:
             t0 = time.perf_counter()
             job_id = rank0.register_job(job)
             for conn in pipes:
-                conn.send(job_id)
+                conn.send((job_id, rank0.tokens[job_id]))
             done = max(conn.recv() for conn in pipes)
             times.append(done - t0)
     finally:

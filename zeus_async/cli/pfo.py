@@ -18,6 +18,7 @@ from .common import (
     positive_int,
     until_stopped,
 )
+from .curve import add_server_curve_args
 from .render import terminal_progress
 
 __all__ = ["COMMANDS", "add_parsers"]
@@ -33,7 +34,9 @@ def add_parsers(sub: Any) -> None:
         description=(
             "The pipeline frequency optimization server. Settings come from ZEUS_PFO_* "
             "environment variables (SCHEDULER, SCHEDULER_ARGS, LOG_LEVEL, DUMP_DATA, DUMP_DIR, "
-            "MAX_JOB_IDLE_TIME); the options below override them."
+            "MAX_JOB_IDLE_TIME, REGISTRATION_TIMEOUT, MAX_JOBS, MAX_JOBS_PER_CLIENT, "
+            "ADMIN_TOKEN, CURVE_SECRET, CURVE_ALLOW); the options below override them. Each "
+            "job is opened only by the token its registration returned."
         ),
     )
     srv.add_argument(
@@ -44,6 +47,16 @@ def add_parsers(sub: Any) -> None:
     srv.add_argument("--dump-dir", default=None, help="where job state is written")
     srv.add_argument("--no-dump", action="store_true", help="do not write job state")
     srv.add_argument("--max-job-idle-time", type=positive_float, default=None, metavar="S")
+    srv.add_argument(
+        "--registration-timeout",
+        type=positive_float,
+        default=None,
+        metavar="S",
+        help="evict a job whose ranks have not all registered within S s (default 600)",
+    )
+    srv.add_argument("--max-jobs", type=positive_int, default=None, help="default 1000")
+    srv.add_argument("--max-jobs-per-client", type=positive_int, default=None, help="default 64")
+    add_server_curve_args(srv, what="--bind")
     srv.add_argument("--log-level", default=None)
     srv.add_argument("--duration", type=positive_float, default=None, help="stop after S s")
 
@@ -95,7 +108,12 @@ async def _pfo_server(args: argparse.Namespace, out: TextIO) -> int:
         "scheduler": args.scheduler,
         "dump_dir": args.dump_dir,
         "max_job_idle_time": args.max_job_idle_time,
+        "registration_timeout": args.registration_timeout,
+        "max_jobs": args.max_jobs,
+        "max_jobs_per_client": args.max_jobs_per_client,
         "log_level": args.log_level,
+        "curve_secret": args.curve_secret,
+        "curve_allow": args.curve_allow,
     }
     if args.scheduler_args is not None:
         overrides["scheduler_args"] = parse_setting(
@@ -107,7 +125,10 @@ async def _pfo_server(args: argparse.Namespace, out: TextIO) -> int:
     logging.getLogger("zeus_async.optimizer.pipeline").setLevel(settings.log_level)
     server = PfoServer(settings, args.bind or DEFAULT_ENDPOINT)
     endpoint = server.bind()
-    out.write(f"zeus-async pfo-server: {endpoint} (scheduler {server.scheduler_cls.__name__})\n")
+    secured = ", CURVE" if settings.curve_secret else ""
+    out.write(
+        f"zeus-async pfo-server: {endpoint} (scheduler {server.scheduler_cls.__name__}{secured})\n"
+    )
     out.flush()
     async with until_stopped(args.duration):
         await server.serve()

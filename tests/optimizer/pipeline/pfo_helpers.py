@@ -46,6 +46,7 @@ def running_server(
     tmp_path: Path, clock: FakeClock | None = None, **settings: Any
 ) -> Iterator[tuple[ServerUnderTest, str]]:
     settings.setdefault("dump_dir", str(tmp_path / "dump"))
+    settings.setdefault("admin_token", ADMIN)
     server = ServerUnderTest(
         PfoSettings(**settings),
         "tcp://127.0.0.1:*",
@@ -92,5 +93,17 @@ def result_for(
     )
 
 
-def clients(endpoint: str, n: int) -> list[PfoClient]:
-    return [PfoClient(endpoint, timeout_s=10.0) for _ in range(n)]
+#: The admin token of the servers these tests start.
+ADMIN = "test-admin-token"
+
+
+def clients(endpoint: str, n: int, *, admin: bool = True) -> list[PfoClient]:
+    """``n`` clients acting as the ranks of one training job: they share the tokens of the
+    jobs any of them registers (as rank 0 shares its token with the others). With ``admin``,
+    their ``info()`` lists every job."""
+    made = [
+        PfoClient(endpoint, timeout_s=10.0, admin_token=ADMIN if admin else "") for _ in range(n)
+    ]
+    for c in made[1:]:
+        c.tokens = made[0].tokens
+    return made

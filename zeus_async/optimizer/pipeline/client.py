@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
 import struct
 import threading
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from ..._exit import ClosedOnExit, SignalRestorer, call_at_exit
+from ...bus.curve import CurveClientKeys, apply_client_keys, load_client_keys
 from ...errors import ConfigError, NoPermissionError, NotSupportedError, ZeusAsyncError
 from . import protocol as p
 from .messages import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
@@ -67,6 +69,24 @@ logger = logging.getLogger(__name__)
 SOURCE = "pfo"
 
 
+#: Environment variables naming a client's CURVE certificates (both, or neither).
+CURVE_ENV = ("ZEUS_PFO_CURVE_CLIENT_SECRET", "ZEUS_PFO_CURVE_SERVER_KEY")
+
+#: How long rank 0 waits for the server to answer its registration (seconds): a running
+#: server answers at once, so a longer wait only delays the error.
+REGISTER_TIMEOUT_S = 10.0
+
+
+def curve_from_env() -> CurveClientKeys | None:
+    """CURVE client keys from :data:`CURVE_ENV`, or ``None`` when neither is set."""
+    secret, server = (os.environ.get(name) for name in CURVE_ENV)
+    if not secret and not server:
+        return None
+    if not secret or not server:
+        raise ConfigError(f"set both {CURVE_ENV[0]} and {CURVE_ENV[1]}, or neither")
+    return load_client_keys(secret, server_public_file=server)
+
+
 class PfoServerError(ZeusAsyncError):
     """The PFO server answered a request with an error (``code``: see ``protocol.ERROR_CODES``)."""
 
@@ -78,19 +98,39 @@ class PfoServerError(ZeusAsyncError):
 class PfoClient:
     """Blocking request/reply client of the PFO server (one request at a time per client).
 
+    Requests about a job carry its token (:mod:`.protocol`): the one :meth:`register_job`
+    received, or one given to :meth:`join` (the other ranks get it from rank 0).
+
     Args:
         endpoint: The server's endpoint (``tcp://host:7787``).
         timeout_s: How long a request may wait for its reply (``get_schedule`` waits for every
             rank, so it takes its own, longer timeout).
+        curve: CURVE client keys, for a server that has them (default: from
+            ``ZEUS_PFO_CURVE_CLIENT_SECRET`` and ``ZEUS_PFO_CURVE_SERVER_KEY``, certificate files,
+            when both are set).
+        admin_token: The server's admin token, for :meth:`info` of every job.
     """
 
-    def __init__(self, endpoint: str, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        timeout_s: float = 30.0,
+        *,
+        curve: CurveClientKeys | None = None,
+        admin_token: str = "",
+    ) -> None:
         if "://" not in endpoint:
             raise ConfigError(f"PFO server endpoint must look like tcp://host:port: {endpoint!r}")
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self.admin_token = admin_token
+        #: Job id -> token, for the jobs this client may act for.
+        self.tokens: dict[str, str] = {}
+        curve = curve if curve is not None else curve_from_env()
         self._sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            apply_client_keys(self._sock, curve)
         self._sock.connect(endpoint)
         self._next_id = 0
         self._lock = threading.Lock()
@@ -134,17 +174,25 @@ class PfoClient:
             raise PfoServerError("bad_request", f"unexpected reply {type(reply).__name__}")
         return reply
 
-    def register_job(self, job: JobInfo) -> str:
-        reply = self._expect(self.request(p.RegisterJob(job=job)), p.JobRegistered)
+    def register_job(self, job: JobInfo, timeout_s: float | None = None) -> str:
+        """Register a job; returns its id (its token is kept in :attr:`tokens`)."""
+        reply = self._expect(self.request(p.RegisterJob(job=job), timeout_s), p.JobRegistered)
+        self.tokens[reply.job_id] = reply.token
         return str(reply.job_id)
 
+    def join(self, job_id: str, token: str) -> None:
+        """Act for a job another client registered (rank 0 shares its id and token)."""
+        self.tokens[job_id] = token
+
     def register_rank(self, job_id: str, rank: RankInfo) -> None:
-        self._expect(self.request(p.RegisterRank(job_id=job_id, rank=rank)), p.Ok)
+        request = p.RegisterRank(job_id=job_id, rank=rank, token=self.tokens.get(job_id, ""))
+        self._expect(self.request(request), p.Ok)
 
     def get_schedule(
         self, job_id: str, rank: int, timeout_s: float | None = None
     ) -> p.ScheduleReply:
-        reply = self.request(p.GetSchedule(job_id=job_id, rank=rank), timeout_s)
+        request = p.GetSchedule(job_id=job_id, rank=rank, token=self.tokens.get(job_id, ""))
+        reply = self.request(request, timeout_s)
         result: p.ScheduleReply = self._expect(reply, p.ScheduleReply)
         if result.schedule.rank != rank:
             raise PfoServerError(
@@ -153,10 +201,16 @@ class PfoClient:
         return result
 
     def report(self, job_id: str, result: ProfilingResult) -> None:
-        self._expect(self.request(p.ReportProfile(job_id=job_id, result=result)), p.Ok)
+        request = p.ReportProfile(job_id=job_id, result=result, token=self.tokens.get(job_id, ""))
+        self._expect(self.request(request), p.Ok)
 
     def info(self, job_id: str = "") -> p.InfoReply:
-        reply: p.InfoReply = self._expect(self.request(p.Info(job_id=job_id)), p.InfoReply)
+        """A job's status (with its token), or every job's (with the admin token; without
+        it, only how many jobs the server holds)."""
+        token = self.tokens.get(job_id, self.admin_token) if job_id else self.admin_token
+        reply: p.InfoReply = self._expect(
+            self.request(p.Info(job_id=job_id, token=token)), p.InfoReply
+        )
         return reply
 
     def close(self) -> None:
@@ -277,6 +331,8 @@ class PipelineFrequencyOptimizer(ClosedOnExit):
         profile_iters: Iterations profiled per schedule.
         timeout_s: Longest wait for the server at start (``get_schedule`` waits for every rank).
         restore_on_signals: Reset clocks on SIGINT/SIGTERM (main thread only).
+        curve: CURVE client keys for a server that has them (default: from the environment,
+            see :class:`PfoClient`).
     """
 
     def __init__(
@@ -298,6 +354,7 @@ class PipelineFrequencyOptimizer(ClosedOnExit):
         profile_iters: int = 3,
         timeout_s: float = 120.0,
         restore_on_signals: bool = True,
+        curve: CurveClientKeys | None = None,
     ) -> None:
         if warmup_iters < 0 or profile_iters < 1:
             raise ConfigError("warmup_iters must be >= 0 and profile_iters >= 1")
@@ -313,7 +370,7 @@ class PipelineFrequencyOptimizer(ClosedOnExit):
             world_size=world_size,
             job_metadata=job_metadata,
         )
-        self._client = PfoClient(server_url, timeout_s=timeout_s)
+        self._client = PfoClient(server_url, timeout_s=timeout_s, curve=curve)
         self._own_monitor = monitor is None
         try:
             self.job_id = self._register_job(job, world_size)
@@ -386,10 +443,17 @@ class PipelineFrequencyOptimizer(ClosedOnExit):
 
     def _register_job(self, job: JobInfo, world_size: int) -> str:
         job_id: str | None = None
-        error = ""
+        token = error = ""
         if self.rank == 0:
             try:
-                job_id = self._client.register_job(job)
+                job_id = self._client.register_job(job, min(self._timeout, REGISTER_TIMEOUT_S))
+                token = self._client.tokens[job_id]
+            except TimeoutError:
+                error = (
+                    f"no PFO server answered at {self._client.endpoint} within "
+                    f"{min(self._timeout, REGISTER_TIMEOUT_S):g} s (is `zeus-async pfo-server` "
+                    "running there?)"
+                )
             except Exception as exc:
                 error = f"rank 0 could not register the job: {exc}"
         if world_size > 1:
@@ -399,11 +463,13 @@ class PipelineFrequencyOptimizer(ClosedOnExit):
                 raise ConfigError(
                     "create PipelineFrequencyOptimizer after torch.distributed.init_process_group"
                 )
-            box: list[Any] = [(job_id, error)]
+            box: list[Any] = [(job_id, token, error)]
             dist.broadcast_object_list(box, src=0)
-            job_id, error = box[0]
+            job_id, token, error = box[0]
         if error or job_id is None:
-            raise PfoServerError("bad_request", error or "no job id from rank 0")
+            code = "unreachable" if error.startswith("no PFO server answered") else "bad_request"
+            raise PfoServerError(code, error or "no job id from rank 0")
+        self._client.join(job_id, token)
         return job_id
 
     # -- training hooks -----------------------------------------------------------------------

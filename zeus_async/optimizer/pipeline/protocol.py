@@ -7,7 +7,7 @@ tagged unions (field ``type``):
 ==================  ====================================  =========================================
 request             reply                                 when
 ==================  ====================================  =========================================
-``register_job``    ``job`` (the job id)                  rank 0, once; ``job.job_id`` must be ""
+``register_job``    ``job`` (the job id and its token)    rank 0, once; ``job.job_id`` must be ""
 ``register_rank``   ``ok``                                every rank, once
 ``get_schedule``    ``schedule``                          every rank, each round; answered when
                                                           the round's schedules are ready (the
@@ -15,8 +15,16 @@ request             reply                                 when
                                                           ``final``: the last schedule, run it
                                                           from then on and report no more
 ``report``          ``ok``                                every rank, after running a schedule
-``info``            ``info``                              any time (``job_id`` "" = all jobs)
+``info``            ``info``                              any time: the job the token opens; every
+                                                          job only with the server's admin token
 ==================  ====================================  =========================================
+
+**Tokens.** ``register_job`` answers with the job's id and a secret token (random, 32 bytes as
+text). Every later request about that job (``register_rank``, ``get_schedule``, ``report``,
+``info`` of the job) must carry it; rank 0 shares it with the other ranks the way it shares the
+id. A request with a wrong or missing token is refused (``forbidden``) and touches nothing, so
+a client cannot see, take over or disturb another tenant's job. ``info`` without a job lists
+no job ids (only how many jobs there are) unless it carries the server's admin token.
 
 Every failure is an ``error`` reply with a machine-readable ``code`` (:data:`ERROR_CODES`) and a
 message; the server goes on serving.
@@ -60,20 +68,25 @@ class RegisterJob(msgspec.Struct, tag="register_job", **_OPTS):
 class RegisterRank(msgspec.Struct, tag="register_rank", **_OPTS):
     job_id: str
     rank: RankInfo
+    token: str = ""
 
 
 class GetSchedule(msgspec.Struct, tag="get_schedule", **_OPTS):
     job_id: str
     rank: int
+    token: str = ""
 
 
 class ReportProfile(msgspec.Struct, tag="report", **_OPTS):
     job_id: str
     result: ProfilingResult
+    token: str = ""
 
 
 class Info(msgspec.Struct, tag="info", **_OPTS):
     job_id: str = ""
+    #: The job's token, or (``job_id`` "") the server's admin token.
+    token: str = ""
 
 
 Request = RegisterJob | RegisterRank | GetSchedule | ReportProfile | Info
@@ -85,6 +98,8 @@ class Ok(msgspec.Struct, tag="ok", **_OPTS):
 
 class JobRegistered(msgspec.Struct, tag="job", **_OPTS):
     job_id: str
+    #: The secret every later request about this job must carry.
+    token: str = ""
 
 
 class ScheduleReply(msgspec.Struct, tag="schedule", **_OPTS):
@@ -107,7 +122,10 @@ class JobStatus(msgspec.Struct, kw_only=True):
 
 class InfoReply(msgspec.Struct, tag="info", **_OPTS):
     scheduler: str
+    #: The jobs the request may see (its own; every job with the admin token).
     jobs: list[JobStatus]
+    #: How many jobs the server holds.
+    jobs_total: int = 0
 
 
 #: ``code`` of an :class:`ErrorReply`.
@@ -120,6 +138,8 @@ ERROR_CODES: Final = (
     "scheduler_error",  # the job's scheduler failed; the job is stopped
     "evicted",  # the job was evicted while the request waited
     "shutdown",  # the server is stopping
+    "forbidden",  # the request's token does not open that job
+    "busy",  # a limit was reached (jobs on the server, or jobs of this client)
 )
 
 

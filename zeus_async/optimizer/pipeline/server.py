@@ -16,12 +16,22 @@ sockets can answer any request later, so waiting costs no polling on either side
 requests (bad fields, unknown job, a rank registered twice, a schedule asked for before the
 last result was reported, ...) get an ``error`` reply with a code; a scheduler failure stops
 that job only, and its ranks get the error. Jobs with no request for ``max_job_idle_time``
-seconds are evicted (their waiting requests get an ``evicted`` error).
+seconds are evicted (their waiting requests get an ``evicted`` error), and so are jobs whose
+ranks have not all registered within ``registration_timeout``.
+
+Tenants share the server safely: a job is opened only by the token its registration returned
+(:mod:`.protocol`); jobs are bounded in total (``max_jobs``) and per client network address
+(``max_jobs_per_client``); each client's unread replies are bounded (:data:`REPLY_QUEUE`
+messages, then dropped and counted) and so is a request's size (:data:`MAX_REQUEST_BYTES`,
+beyond which the client is disconnected); with ``curve_secret`` the socket is a CURVE server,
+as the bus's publishers are.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import time
 import traceback
 from collections import Counter
@@ -39,6 +49,7 @@ import zmq
 
 from ...bus._endpoints import check_bind_endpoint
 from ...bus._sockets import last_endpoint, poll_in, socket_fd
+from ...bus.curve import apply_server_keys, start_authenticator
 from ...errors import ConfigError
 from . import protocol as p
 from .messages import (
@@ -59,7 +70,31 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7787"
 
+#: Replies queued for one client at most: a client that never reads costs the server this
+#: many messages, not memory without bound (further replies to it are dropped and counted).
+REPLY_QUEUE = 64
+
+#: Requests queued from one client at most (then TCP pushes back on the client).
+REQUEST_QUEUE = 1000
+
+#: The largest request accepted; a client that sends more is disconnected (a profiling result
+#: of 1,000 instructions x 10 iterations is ~200 kB).
+MAX_REQUEST_BYTES = 64 * 2**20
+
 _Peer = tuple[bytes, bytes]  # (ROUTER identity, request id)
+
+
+def _client_of(frame: zmq.Frame) -> str:
+    """Who sent a request, for the per-client job limit: the CURVE client's public key when
+    the server authenticates keys, else its network address ("local" for ipc)."""
+    for prop in ("User-Id", "Peer-Address"):
+        try:
+            value = frame.get(prop)
+        except (zmq.ZMQError, UnicodeDecodeError):
+            continue
+        if value:
+            return str(value)
+    return "local"
 
 
 def _describe(message: object) -> str:
@@ -104,6 +139,9 @@ class _Failure(Exception):
 class _Job:
     info: JobInfo
     last_active: float
+    token: str = ""
+    owner: str = ""
+    created: float = 0.0
     ranks: dict[int, RankInfo] = field(default_factory=dict)
     all_registered: anyio.Event = field(default_factory=anyio.Event)
     state: str = "registering"  # registering, planning, running, failed
@@ -143,33 +181,51 @@ class PfoServer:
         self._endpoint = endpoint
         self._clock = clock
         idle = self.settings.max_job_idle_time
-        self._evict_period = evict_period_s or min(60.0, idle / 10)
+        self._evict_period = evict_period_s or min(
+            60.0, idle / 10, self.settings.registration_timeout / 10
+        )
         self.jobs: dict[str, _Job] = {}
-        self._ctx: zmq.Context[Any] = zmq.Context.instance()
+        self._curve = self.settings.curve_keys()
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._auth: Any = None
         self._sock: zmq.Socket[Any] | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self.endpoint: str | None = None
         self.requests_served = 0
+        #: Replies dropped because their client's queue was full or the client had gone.
+        self.replies_dropped = 0
+        #: Requests refused for a wrong or missing token.
+        self.requests_forbidden = 0
 
     # -- lifecycle --------------------------------------------------------------------------
 
     def bind(self) -> str:
         """Bind the socket (done by :meth:`serve` if not yet); returns the bound endpoint."""
         if self._sock is None:
-            check_bind_endpoint(self._endpoint, curve=False, require_curve=False, what="pfo-server")
+            curve = self._curve is not None
+            check_bind_endpoint(self._endpoint, curve=curve, require_curve=False, what="pfo-server")
             sock = self._ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.SNDHWM, REPLY_QUEUE)
+            sock.setsockopt(zmq.RCVHWM, REQUEST_QUEUE)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+            # A full or vanished client is an error to count, not a silent drop.
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            if self._curve is not None:
+                self._auth = start_authenticator(self._ctx, self._curve)
+                apply_server_keys(sock, self._curve)
             try:
                 sock.bind(self._endpoint)
             except zmq.ZMQError as exc:
                 sock.close()
-                raise ConfigError(f"pfo-server: cannot bind {self._endpoint}: {exc}") from None
+                raise ConfigError(f"cannot bind {self._endpoint}: {exc}") from None
             self._sock = sock
             self.endpoint = last_endpoint(sock)
             logger.info(
-                "PFO server on %s, scheduler %s", self.endpoint, self.scheduler_cls.__name__
+                "PFO server on %s%s, scheduler %s",
+                self.endpoint,
+                " (CURVE)" if curve else "",
+                self.scheduler_cls.__name__,
             )
         assert self.endpoint is not None
         return self.endpoint
@@ -186,12 +242,12 @@ class PfoServer:
                 tg.start_soon(self._evict_loop)
                 while True:
                     try:
-                        parts = sock.recv_multipart(zmq.NOBLOCK)
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         if not poll_in(sock):
                             await anyio.wait_readable(fd)
                         continue
-                    await self._handle(parts)
+                    await self._handle([f.bytes for f in frames], _client_of(frames[-1]))
                     await anyio.lowlevel.checkpoint()
         finally:
             self._tg = None
@@ -199,6 +255,9 @@ class PfoServer:
                 self._fail_parked(job, "shutdown", "the PFO server is stopping")
             sock.close(linger=0)
             self._sock = None
+            if self._auth is not None:
+                self._auth.stop()
+                self._auth = None
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -208,10 +267,14 @@ class PfoServer:
         identity, req_id = peer
         try:
             self._sock.send_multipart([identity, b"", req_id, p.encoder.encode(reply)], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # peer gone: ROUTER drops silently; anything else is logged
-            logger.warning("pfo-server: could not reply to a client: %s", exc)
+        except zmq.Again:  # that client's queue is full: it does not read its replies
+            self.replies_dropped += 1
+            logger.debug("pfo-server: reply dropped: the client's queue is full")
+        except zmq.ZMQError as exc:  # the client has gone (EHOSTUNREACH)
+            self.replies_dropped += 1
+            logger.debug("pfo-server: reply dropped: %s", exc)
 
-    async def _handle(self, parts: list[bytes]) -> None:
+    async def _handle(self, parts: list[bytes], client: str = "") -> None:
         self.requests_served += 1
         # [identity, b"", request_id, payload] (DEALER/REQ envelope)
         if len(parts) != 4 or parts[1] != b"":
@@ -230,8 +293,10 @@ class PfoServer:
         if debug:
             logger.debug("request %s", _describe(request))
         try:
-            reply = self._dispatch(request, peer)
+            reply = self._dispatch(request, peer, client)
         except _Failure as exc:
+            if exc.code == "forbidden":
+                self.requests_forbidden += 1
             logger.debug("reply error %s: %s", exc.code, exc)
             self._send(peer, p.ErrorReply(code=exc.code, message=str(exc)))
             return
@@ -242,27 +307,40 @@ class PfoServer:
         elif debug:
             logger.debug("parked until its schedule exists")
 
-    def _job(self, job_id: str) -> _Job:
+    def _job(self, job_id: str, token: str) -> _Job:
         job = self.jobs.get(job_id)
         if job is None:
             raise _Failure("unknown_job", f"no job {job_id!r} on this server")
+        if not hmac.compare_digest(job.token.encode(), token.encode()):
+            raise _Failure("forbidden", f"job {job_id}: wrong or missing token")
         job.last_active = self._clock()
         if job.state == "failed":
             raise _Failure("scheduler_error", f"job {job_id!r} failed: {job.error}")
         return job
 
-    def _dispatch(self, request: p.Request, peer: _Peer) -> p.Reply | None:
+    def _dispatch(self, request: p.Request, peer: _Peer, client: str = "") -> p.Reply | None:
         if isinstance(request, p.RegisterJob):
-            return self._register_job(request.job)
+            return self._register_job(request.job, client)
+        if isinstance(request, p.Info):
+            return self._info(request.job_id, request.token)
+        job = self._job(request.job_id, request.token)
         if isinstance(request, p.RegisterRank):
-            return self._register_rank(request.job_id, request.rank)
+            return self._register_rank(job, request.rank)
         if isinstance(request, p.GetSchedule):
-            return self._get_schedule(request.job_id, request.rank, peer)
-        if isinstance(request, p.ReportProfile):
-            return self._report(request.job_id, request.result)
-        return self._info(request.job_id)
+            return self._get_schedule(job, request.rank, peer)
+        return self._report(job, request.result)
 
-    def _register_job(self, info: JobInfo) -> p.Reply:
+    def _register_job(self, info: JobInfo, client: str = "") -> p.Reply:
+        limits = self.settings
+        if len(self.jobs) >= limits.max_jobs:
+            raise _Failure("busy", f"the server holds its maximum of {limits.max_jobs} jobs")
+        held = sum(1 for j in self.jobs.values() if j.owner == client)
+        if held >= limits.max_jobs_per_client:
+            raise _Failure(
+                "busy",
+                f"this client already holds {held} jobs (the maximum per client; they end when "
+                "their training ends, or after max_job_idle_time)",
+            )
         if info.job_id:
             raise _Failure("bad_request", "job_id must be empty when registering a job")
         meta = info.job_metadata or ""
@@ -279,15 +357,17 @@ class PfoServer:
             stamp, _, rest = base.partition("+")
             job_id = f"{stamp}.{n}+{rest}"
         info = msgspec.structs.replace(info, job_id=job_id)
-        job = _Job(info=info, last_active=self._clock())
+        now = self._clock()
+        token = secrets.token_urlsafe(32)
+        job = _Job(info=info, last_active=now, token=token, owner=client, created=now)
         self.jobs[job_id] = job
         assert self._tg is not None
         self._tg.start_soon(self._run_job, job)
-        logger.info("job %s registered (%d ranks)", job_id, info.world_size)
-        return p.JobRegistered(job_id=job_id)
+        logger.info("job %s registered (%d ranks) by %s", job_id, info.world_size, client)
+        return p.JobRegistered(job_id=job_id, token=token)
 
-    def _register_rank(self, job_id: str, rank: RankInfo) -> p.Reply:
-        job = self._job(job_id)
+    def _register_rank(self, job: _Job, rank: RankInfo) -> p.Reply:
+        job_id = job.info.job_id
         try:
             rank.check_against(job.info)
         except ValueError as exc:
@@ -299,8 +379,8 @@ class PfoServer:
             job.all_registered.set()
         return p.Ok()
 
-    def _get_schedule(self, job_id: str, rank: int, peer: _Peer) -> p.Reply | None:
-        job = self._job(job_id)
+    def _get_schedule(self, job: _Job, rank: int, peer: _Peer) -> p.Reply | None:
+        job_id = job.info.job_id
         if rank not in job.ranks:
             raise _Failure("bad_rank", f"job {job_id}: rank {rank} has not registered")
         if rank in job.parked:
@@ -323,8 +403,8 @@ class PfoServer:
         job.last_active = self._clock()
         return p.ScheduleReply(schedule=job.schedules[rank], round=job.round, final=job.final)
 
-    def _report(self, job_id: str, result: ProfilingResult) -> p.Reply:
-        job = self._job(job_id)
+    def _report(self, job: _Job, result: ProfilingResult) -> p.Reply:
+        job_id = job.info.job_id
         if result.rank not in job.ranks:
             raise _Failure("bad_rank", f"job {job_id}: rank {result.rank} has not registered")
         if result.rank not in job.fetched:
@@ -349,9 +429,18 @@ class PfoServer:
             job.all_reported.set()
         return p.Ok()
 
-    def _info(self, job_id: str) -> p.Reply:
-        if job_id and job_id not in self.jobs:
-            raise _Failure("unknown_job", f"no job {job_id!r} on this server")
+    def _info(self, job_id: str, token: str) -> p.Reply:
+        admin = self.settings.admin_token
+        is_admin = bool(admin) and hmac.compare_digest(admin.encode(), token.encode())
+        if job_id:
+            if not is_admin:
+                self._job(job_id, token)  # only the job's token opens it
+            elif job_id not in self.jobs:
+                raise _Failure("unknown_job", f"no job {job_id!r} on this server")
+        elif not is_admin:
+            return p.InfoReply(
+                scheduler=self.scheduler_cls.__name__, jobs=[], jobs_total=len(self.jobs)
+            )
         now = self._clock()
         jobs = [
             p.JobStatus(
@@ -366,7 +455,9 @@ class PfoServer:
             for j in self.jobs.values()
             if not job_id or j.info.job_id == job_id
         ]
-        return p.InfoReply(scheduler=self.scheduler_cls.__name__, jobs=jobs)
+        return p.InfoReply(
+            scheduler=self.scheduler_cls.__name__, jobs=jobs, jobs_total=len(self.jobs)
+        )
 
     # -- per-job task -----------------------------------------------------------------------
 
@@ -443,19 +534,25 @@ class PfoServer:
     # -- eviction ---------------------------------------------------------------------------
 
     def evict_idle(self) -> list[str]:
-        """Evict the jobs idle for longer than ``max_job_idle_time``; returns their ids."""
+        """Evict the jobs idle for longer than ``max_job_idle_time``, and those whose ranks
+        have not all registered within ``registration_timeout``; returns their ids."""
         now, limit = self._clock(), self.settings.max_job_idle_time
-        evicted = [
-            jid
-            for jid, j in self.jobs.items()
-            if now - j.last_active > limit and j.state != "planning"  # a plan can take a while
-        ]
-        for job_id in evicted:
+        register_limit = self.settings.registration_timeout
+        reasons: dict[str, str] = {}
+        for jid, j in self.jobs.items():
+            if j.state == "registering" and now - j.created > register_limit:
+                reasons[jid] = (
+                    f"job {jid}: {len(j.ranks)} of its {j.info.world_size} ranks registered "
+                    f"within {register_limit:g} s"
+                )
+            elif now - j.last_active > limit and j.state != "planning":  # a plan takes a while
+                reasons[jid] = f"job {jid} was idle for over {limit:g} s"
+        for job_id, reason in reasons.items():
             job = self.jobs.pop(job_id)
             job.scope.cancel()
-            self._fail_parked(job, "evicted", f"job {job_id} was idle for over {limit:g} s")
-            logger.info("job %s evicted after %.0f s idle", job_id, now - job.last_active)
-        return evicted
+            self._fail_parked(job, "evicted", reason)
+            logger.info("evicted: %s", reason)
+        return list(reasons)
 
     async def _evict_loop(self) -> None:
         while True:

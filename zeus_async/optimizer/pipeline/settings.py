@@ -10,6 +10,13 @@ variable                       meaning                                          
 ``ZEUS_PFO_DUMP_DATA``         write ranks, schedules and profiles to ``dump_dir``     true
 ``ZEUS_PFO_DUMP_DIR``          where to write them (one folder per job)                ./dump
 ``ZEUS_PFO_MAX_JOB_IDLE_TIME`` seconds without a request before a job is evicted       604800
+``ZEUS_PFO_REGISTRATION_TIMEOUT`` seconds for all of a job's ranks to register, else     600
+                               the job is evicted (never-used jobs do not linger)
+``ZEUS_PFO_MAX_JOBS``          jobs the server holds at most (then ``busy``)           1000
+``ZEUS_PFO_MAX_JOBS_PER_CLIENT`` jobs one client (network address) holds at most        64
+``ZEUS_PFO_ADMIN_TOKEN``       a token whose ``info`` lists every job (empty: none)    ""
+``ZEUS_PFO_CURVE_SECRET``      the server's CURVE secret certificate (encrypts TCP)    none
+``ZEUS_PFO_CURVE_ALLOW``       directory of the client certificates allowed            none
 =============================  ======================================================  ==========
 
 Names are read in any case (``zeus_pfo_dump_dir``; the upper-case spelling wins when both are
@@ -58,6 +65,12 @@ class PfoSettings(msgspec.Struct, kw_only=True, frozen=True):
     dump_data: bool = True
     dump_dir: str = "./dump"
     max_job_idle_time: float = 7 * 24 * 3600.0
+    registration_timeout: float = 600.0
+    max_jobs: int = 1000
+    max_jobs_per_client: int = 64
+    admin_token: str = ""
+    curve_secret: str | None = None
+    curve_allow: str | None = None
 
     def __post_init__(self) -> None:
         level = self.log_level.upper()
@@ -66,8 +79,15 @@ class PfoSettings(msgspec.Struct, kw_only=True, frozen=True):
                 f"log_level must be one of {', '.join(_LEVELS)}, not {self.log_level!r}"
             )
         msgspec.structs.force_setattr(self, "log_level", level)
-        if not self.max_job_idle_time > 0:
-            raise ConfigError(f"max_job_idle_time must be > 0 s, not {self.max_job_idle_time!r}")
+        for name in ("max_job_idle_time", "registration_timeout"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ConfigError(f"{name} must be > 0 s, not {value!r}")
+        for name in ("max_jobs", "max_jobs_per_client"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, not {getattr(self, name)!r}")
+        if self.curve_allow is not None and self.curve_secret is None:
+            raise ConfigError("curve_allow needs curve_secret (the server's own keys)")
         self.check_scheduler_args(self.scheduler_class())
 
     @classmethod
@@ -100,6 +120,14 @@ class PfoSettings(msgspec.Struct, kw_only=True, frozen=True):
             return msgspec.convert(values, cls)
         except msgspec.ValidationError as exc:
             raise ConfigError(f"invalid PFO settings: {exc}") from None
+
+    def curve_keys(self) -> Any:
+        """The server's CURVE keys (:class:`~zeus_async.bus.curve.CurveServerKeys`) or ``None``."""
+        if self.curve_secret is None:
+            return None
+        from ...bus.curve import load_server_keys
+
+        return load_server_keys(self.curve_secret, allowed_clients_dir=self.curve_allow)
 
     def scheduler_class(self) -> type[FrequencyScheduler]:
         """The scheduler class this setting names."""
@@ -170,9 +198,14 @@ def parse_setting(var: str, name: str, raw: str) -> Any:
         if low in _FALSE:
             return False
         raise ConfigError(f"{var} must be true or false, not {raw!r}")
-    if name == "max_job_idle_time":
+    if name in ("max_job_idle_time", "registration_timeout"):
         try:
             return float(raw)
         except ValueError:
             raise ConfigError(f"{var} must be a number of seconds, not {raw!r}") from None
+    if name in ("max_jobs", "max_jobs_per_client"):
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"{var} must be a whole number, not {raw!r}") from None
     return raw

@@ -1,0 +1,188 @@
+"""A PFO server that tenants can share, run as a real `zeus-async pfo-server` process: a job
+is opened only by its token; `info` shows nobody else's jobs; floods of jobs and of unread
+replies are bounded; jobs whose ranks never come are evicted; CURVE on TCP. Through all of
+it, the honest tenant's job runs to its final schedule."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from zeus_async.bus.curve import generate_certificates, load_client_keys
+from zeus_async.optimizer.pipeline import JobInfo, PfoClient, PfoServerError, RankInfo
+from zeus_async.optimizer.pipeline import protocol as p
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cli"))
+from cli_helpers import free_port
+from pfo_helpers import result_for
+
+ADMIN = "admin-token-for-this-test"
+FREQS = [1980, 1500, 1000]
+
+
+def _rank(rank: int) -> RankInfo:
+    return RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS)
+
+
+def _job(meta: str | None = None) -> JobInfo:
+    return JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2, job_metadata=meta)
+
+
+def _server(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps([[["forward", 1500], ["backward", 1000]]] * 2))
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    env = {**os.environ, "ZEUS_PFO_ADMIN_TOKEN": ADMIN}
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "zeus_async", "pfo-server", "--bind", endpoint, "--no-dump",
+            "--scheduler-args", json.dumps({"solution_path": str(plan)}), *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert endpoint in line, line + (proc.stderr.read() if proc.stderr else "")
+    return proc, endpoint
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    proc.communicate(timeout=30)
+    assert proc.returncode == 0
+
+
+def _code(call: object, *args: object) -> str:
+    with pytest.raises(PfoServerError) as err:
+        call(*args)  # type: ignore[operator]
+    return err.value.code
+
+
+def test_jobs_are_opened_only_by_their_token(tmp_path: Path) -> None:
+    server, ep = _server(tmp_path)
+    try:
+        rank0, rank1 = PfoClient(ep, timeout_s=10), PfoClient(ep, timeout_s=10)
+        job = rank0.register_job(_job("victim"))
+        token = rank0.tokens[job]
+        assert len(token) >= 40
+        rank1.join(job, token)
+        rank0.register_rank(job, _rank(0))
+
+        thief = PfoClient(ep, timeout_s=10)
+        listing = thief.info()
+        assert listing.jobs == [] and listing.jobs_total == 1  # no job ids without a token
+        assert _code(thief.info, job) == "forbidden"
+        assert _code(thief.register_rank, job, _rank(1)) == "forbidden"  # take over rank 1
+        assert _code(thief.get_schedule, job, 0) == "forbidden"
+        thief.join(job, "a-guess")
+        assert _code(thief.get_schedule, job, 0) == "forbidden"
+        stolen = result_for(p.FrequencySchedule(rank=0, frequencies=[]))
+        assert _code(thief.report, job, stolen) == "forbidden"
+        # None of it touched the job: the tenant's ranks go on to the final schedule.
+        rank1.register_rank(job, _rank(1))
+        ranks = (rank0, rank1)
+        first = [c.get_schedule(job, r) for r, c in enumerate(ranks)]
+        for c, reply in zip(ranks, first, strict=True):
+            c.report(job, result_for(reply.schedule))
+        final = [c.get_schedule(job, r) for r, c in enumerate(ranks)]
+        assert [f.final for f in final] == [True, True]
+        assert rank0.info(job).jobs[0].ranks_registered == 2
+        admin = PfoClient(ep, timeout_s=10, admin_token=ADMIN)
+        assert [j.job_id for j in admin.info().jobs] == [job]
+    finally:
+        _stop(server)
+
+
+def test_floods_are_bounded_and_never_used_jobs_evicted(tmp_path: Path) -> None:
+    server, ep = _server(
+        tmp_path, "--max-jobs-per-client", "5", "--max-jobs", "8", "--registration-timeout", "2"
+    )
+    try:
+        tenant = PfoClient(ep, timeout_s=10)
+        job = tenant.register_job(_job("honest"))
+        tenant.register_rank(job, _rank(0))
+        tenant.register_rank(job, _rank(1))
+
+        flooder = PfoClient(ep, timeout_s=10)
+        made = []
+        with pytest.raises(PfoServerError) as err:
+            for _ in range(100):
+                made.append(flooder.register_job(_job()))
+        # 5 per client, and this machine's clients all share one address (127.0.0.1).
+        assert err.value.code == "busy" and "already holds 5 jobs" in str(err.value)
+        assert len(made) == 4  # the tenant's job counts for this address too
+        admin = PfoClient(ep, timeout_s=10, admin_token=ADMIN)
+        assert admin.info().jobs_total == 5
+
+        # A client that sends and never reads: the server's memory stays bounded.
+        rss_before = psutil.Process(server.pid).memory_info().rss
+        flood = subprocess.run(
+            [sys.executable, "-c", _FLOOD, ep, "200000"], capture_output=True, text=True,
+            timeout=120, check=True,
+        )  # fmt: skip
+        assert int(flood.stdout) == 200_000  # the server kept reading
+        time.sleep(1.0)
+        grown = psutil.Process(server.pid).memory_info().rss - rss_before
+        assert grown < 40 * 2**20, f"the server grew by {grown / 2**20:.1f} MiB"
+
+        # The jobs whose ranks never came are gone after the registration timeout (2 s).
+        deadline = time.monotonic() + 10
+        while admin.info().jobs_total > 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [j.job_id for j in admin.info().jobs] == [job]
+        assert flooder.register_job(_job()) not in made  # room again
+        assert tenant.get_schedule(job, 0).round == 0  # the tenant's job carries on
+    finally:
+        _stop(server)
+
+
+_FLOOD = """
+import sys, zmq
+sock = zmq.Context().socket(zmq.DEALER)
+sock.setsockopt(zmq.LINGER, 0)
+sock.setsockopt(zmq.RCVHWM, 10)
+sock.setsockopt(zmq.SNDTIMEO, 10000)
+sock.connect(sys.argv[1])
+import msgspec
+payload = msgspec.msgpack.encode({"type": "info", "job_id": ""})
+sent = 0
+for i in range(int(sys.argv[2])):
+    try:
+        sock.send_multipart([b"", i.to_bytes(8, "little"), payload])
+        sent += 1
+    except zmq.Again:
+        break
+print(sent)
+"""
+
+
+def test_curve_on_the_pfo_server(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    generate_certificates(keys, "server")
+    generate_certificates(keys / "clients", "rank")
+    server, ep = _server(
+        tmp_path,
+        "--curve-secret", str(keys / "server.key_secret"),
+        "--curve-allow", str(keys / "clients"),
+    )  # fmt: skip
+    try:
+        curve = load_client_keys(
+            keys / "clients" / "rank.key_secret", server_public_file=keys / "server.key"
+        )
+        good = PfoClient(ep, timeout_s=10, curve=curve)
+        assert good.register_job(_job())
+        plain = PfoClient(ep, timeout_s=1)
+        with pytest.raises(TimeoutError):
+            plain.register_job(_job())
+    finally:
+        _stop(server)
