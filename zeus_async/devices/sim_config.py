@@ -120,6 +120,9 @@ class SimConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
     * ``counter_origin_ns``: when the energy counters read 0 and the grid of driver updates
       starts; ``None`` = midnight UTC of the day the node is created (same in every process).
     * ``call_latency_s``: CPU time each pynvml call burns (busy-wait), like a driver ioctl.
+    * ``set_clock_latency_s``: how long ``nvmlDeviceSetGpuLockedClocks`` blocks its caller
+      (sleeping) before the new SM clock is in force, as a real driver's clock change takes
+      milliseconds; 0 (the default) applies it at once.
     * ``power_noise_w``: amplitude of uniform, seeded noise on *reported* power readings.
     * ``memory_bound_frac``: share of the work that does not speed up with the SM clock.
     * ``process_pids``: pids of the simulated processes on every GPU, replacing the
@@ -152,6 +155,7 @@ class SimConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
     average_window_s: PosFloat = 1.0
     average_period_s: PosFloat = 0.1
     call_latency_s: NonNegFloat = 0.0
+    set_clock_latency_s: NonNegFloat = 0.0
     power_noise_w: NonNegFloat = 0.0
     ambient_c: float = 30.0
     thermal_c_per_w: NonNegFloat = 0.06

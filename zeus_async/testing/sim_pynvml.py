@@ -35,6 +35,7 @@ import operator
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any
@@ -494,6 +495,10 @@ def nvmlDeviceSetGpuLockedClocks(handle: Handle, minGpuClockMHz: int, maxGpuCloc
     lo, hi = _clock_arg(minGpuClockMHz, top), _clock_arg(maxGpuClockMHz, top)
     if lo > hi:
         raise NVMLError(_b.INVALID_ARGUMENT)
+    latency = node.config.set_clock_latency_s
+    if latency > 0:  # the driver takes a while: the clock is in force when the call returns
+        time.sleep(latency)
+        now = node.now_ns()
     gpu.lock_sm_clocks_mhz(lo, hi, now)
 
 

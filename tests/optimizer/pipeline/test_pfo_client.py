@@ -242,3 +242,93 @@ def test_close_after_a_signal_and_from_another_thread_leaves_clocks_reset(tmp_pa
         assert node.gpus[0].locked_sm_clocks_mhz is None
         pfo.close()
         monitor.close()
+
+
+ALTERNATING = [("forward", 1500), ("forward", 990), ("backward", 1500), ("backward", 990)]
+
+
+def _run_alternating(
+    tmp_path: Path, *, clock_wait_s: float, gap_s: float, latency_s: float = 0.02
+) -> tuple[PipelineFrequencyOptimizer, list[bool], list[object]]:
+    """Four instructions of 5 ms per iteration, every one at another clock, on a simulated GPU
+    whose clock changes take ``latency_s``; ``gap_s`` of pipeline communication between
+    instructions. Returns the optimizer (closed), whether the simulated GPU's clock was the
+    planned one as each instruction started, and the clock events published."""
+    from zeus_async.devices.sim import SimConfig
+    from zeus_async.events import OptimizerState
+
+    plan = tmp_path / "alternating.json"
+    plan.write_text(json.dumps([ALTERNATING]))
+    record = tmp_path / "pfo.zarc"
+    args = {"solution_path": str(plan)}
+    with running_server(tmp_path, scheduler="PointSolution", scheduler_args=args) as (_, ep):
+        monitor = Monitor(
+            backend="sim",
+            sampler="thread",
+            gpu_indices=[0],
+            sync_execution_with=None,
+            record=record,
+            sim_config=SimConfig(num_gpus=1, set_clock_latency_s=latency_s),
+        )
+        node = sim_pynvml.current_node()
+        assert node is not None
+        gpu = node.gpus[0]
+        pfo = PipelineFrequencyOptimizer(
+            rank=0, dp_rank=0, pp_rank=0, tp_rank=0, device_id=0, dp_degree=1, pp_degree=1,
+            tp_degree=1, world_size=1, server_url=ep, monitor=monitor, warmup_iters=1000,
+            restore_on_signals=False, clock_wait_s=clock_wait_s, stats_every=5,
+        )  # fmt: skip
+        truth = []
+        for _ in range(10):
+            pfo.on_step_begin()
+            for name, mhz in ALTERNATING:
+                pfo.on_instruction_begin(name)
+                truth.append(gpu.locked_sm_clocks_mhz == (mhz, mhz))
+                threading.Event().wait(0.005)  # the instruction's GPU work
+                pfo.on_instruction_end(name)
+                threading.Event().wait(gap_s)  # sending activations, receiving gradients
+            pfo.on_step_end()
+        pfo.close()
+        monitor.close()
+    events = [
+        e for e in RecordingReader(record) if isinstance(e, OptimizerState) and e.optimizer == "pfo"
+    ]
+    return pfo, truth, events
+
+
+def test_clocks_are_in_force_when_their_instructions_start(tmp_path: Path) -> None:
+    pfo, truth, events = _run_alternating(tmp_path, clock_wait_s=0.1, gap_s=0.0)
+    stats = pfo.clock_stats
+    assert (stats.instructions, stats.on_time, stats.late, stats.missed) == (40, 40, 0, 0)
+    assert all(truth)  # the simulated GPU agrees: every instruction started at its clock
+    # No gap to hide the 20 ms change in: the training thread waited for each one.
+    assert stats.waited_s >= 39 * 0.02 * 0.9
+    assert [e.values["instructions"] for e in events] == [20.0, 40.0]
+    assert events[-1].values["on_time_frac"] == 1.0
+    assert events[-1].state == "clocks" and "round 0" in events[-1].detail
+
+
+def test_clocks_set_ahead_hide_the_latency_in_the_pipeline_gaps(tmp_path: Path) -> None:
+    pfo, truth, _ = _run_alternating(tmp_path, clock_wait_s=0.1, gap_s=0.03)
+    stats = pfo.clock_stats
+    assert stats.on_time == stats.instructions == 40 and all(truth)
+    # Set when the previous instruction ended, each clock landed during the 30 ms gap.
+    assert stats.waited_s < 40 * 0.02 * 0.25, stats
+
+
+def test_clocks_that_land_late_are_counted_and_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("WARNING", logger="zeus_async.optimizer.pipeline.client")
+    pfo, truth, events = _run_alternating(tmp_path, clock_wait_s=0.0, gap_s=0.0)
+    stats = pfo.clock_stats
+    assert stats.instructions == 40 and stats.waited_s == 0.0
+    # A 20 ms change cannot land within a 5 ms instruction: most run at another clock (some
+    # find theirs in force by chance: with changes coalesced, the clock in flight may be it).
+    assert stats.late + stats.missed >= 20
+    assert stats.on_time == stats.instructions - stats.late - stats.missed
+    # Counted from the landings this process saw: never more on time than the GPU really was.
+    assert stats.on_time <= sum(truth)
+    assert events[-1].values["late"] + events[-1].values["missed"] >= 20
+    warned = [r.getMessage() for r in caplog.records if "planned clock" in r.getMessage()]
+    assert warned and "raise clock_wait_s" in warned[0]

@@ -19,9 +19,16 @@ Rank 0 registers the job and broadcasts its id (``torch.distributed.broadcast_ob
 every rank registers its GPU clocks and fetches its first schedule (these calls block, once, at
 start). After that, nothing on the training thread waits on the server or on NVML:
 
-* ``on_instruction_begin`` looks up the next ``(instruction, MHz)`` of the schedule and hands
-  the clock to a :class:`FrequencyController`, which sets it on the monitor's runtime (sampler
-  process or thread) and keeps only the latest request when calls pile up;
+* clocks are set ahead: when an instruction ends (its GPU work synchronized), the next
+  instruction's clock is handed to a :class:`FrequencyController`, which sets it on the
+  monitor's runtime (sampler process or thread) while the pipeline communicates; when the next
+  instruction begins, its clock is in force, or the training thread waits for it (at most
+  ``clock_wait_s``), so the instruction runs at its planned clock rather than at the previous
+  one. Each instruction is counted on time, late (its clock landed while it ran) or missed
+  (:class:`ClockStats`, :attr:`PipelineFrequencyOptimizer.clock_stats`); the counts are
+  published every ``stats_every`` iterations as an ``OptimizerState`` event
+  (``optimizer="pfo"``, ``state="clocks"``), and a warning is logged when fewer than
+  ``warn_below`` of them ran on time;
 * every instruction and iteration is a measurement window of the monitor; after
   ``warmup_iters + profile_iters`` iterations of a schedule, a background thread waits for the
   windows' energies, reports a :class:`ProfilingResult` and fetches the next schedule, which
@@ -37,11 +44,13 @@ import logging
 import math
 import os
 import queue
+import socket
 import struct
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -57,6 +66,7 @@ if TYPE_CHECKING:
     from ...monitor import Monitor
 
 __all__ = [
+    "ClockStats",
     "FrequencyController",
     "PfoClient",
     "PfoServerError",
@@ -237,14 +247,16 @@ class FrequencyController:
         self._monitor = monitor
         self._gpu = gpu
         self._lock = threading.RLock()
+        self._landed_cond = threading.Condition(self._lock)
         self._wanted: int | None = None
         self._sent: int | None = None
         self._inflight = False
         self._warned = False
         self._closed = False
         self._disabled = False
-        #: The clock last confirmed set (MHz).
+        #: The clock last confirmed set (MHz), and when (``time.monotonic()``).
         self.applied: int | None = None
+        self.applied_at: float | None = None
         self.changes = 0
 
     def set_frequency(self, mhz: int) -> None:
@@ -270,8 +282,16 @@ class FrequencyController:
             return
         future.add_done_callback(lambda f: self._landed(mhz, f))
 
+    def wait_applied(self, mhz: int, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the clock to be ``mhz``; whether it is."""
+        with self._landed_cond:
+            return self._landed_cond.wait_for(
+                lambda: self.applied == mhz or self._disabled or self._closed, timeout_s
+            ) and (self.applied == mhz)
+
     def _failed(self, exc: BaseException) -> None:
         with self._lock:
+            self._landed_cond.notify_all()
             self._inflight = False
             self._sent = None
             first = not self._warned
@@ -290,7 +310,9 @@ class FrequencyController:
             if self._closed:
                 return
             self.applied = mhz
+            self.applied_at = time.monotonic()
             self.changes += 1
+            self._landed_cond.notify_all()
             wanted = self._wanted
             if wanted is None or wanted == mhz:
                 self._inflight = False
@@ -306,6 +328,46 @@ class FrequencyController:
             future = self._monitor.set_sm_clocks(None, [self._gpu], source=f"{SOURCE}: reset")
         future.result(timeout=timeout_s)
         self.applied = None
+
+
+@dataclass
+class ClockStats:
+    """How the plan's clocks were applied, instruction by instruction (see
+    :class:`PipelineFrequencyOptimizer`).
+
+    Attributes:
+        instructions: Instructions run (with the hooks, while the optimizer was open).
+        on_time: Those whose planned clock was in force when they started.
+        late: Those whose planned clock landed while they ran (they ran partly at the
+            clock before).
+        missed: Those whose planned clock never landed while they ran (superseded, failed, or
+            not settable on this GPU).
+        waited_s: Time the training thread waited for clocks to land, in total.
+        max_wait_s: The longest single wait.
+    """
+
+    instructions: int = 0
+    on_time: int = 0
+    late: int = 0
+    missed: int = 0
+    waited_s: float = 0.0
+    max_wait_s: float = 0.0
+
+    @property
+    def on_time_frac(self) -> float:
+        """The share of instructions run at their planned clock (1.0 before any)."""
+        return self.on_time / self.instructions if self.instructions else 1.0
+
+    def since(self, earlier: ClockStats) -> ClockStats:
+        """The counts accumulated after ``earlier`` (a copy taken before)."""
+        return ClockStats(
+            self.instructions - earlier.instructions,
+            self.on_time - earlier.on_time,
+            self.late - earlier.late,
+            self.missed - earlier.missed,
+            self.waited_s - earlier.waited_s,
+            self.max_wait_s,
+        )
 
 
 class _Iteration:
@@ -333,6 +395,18 @@ class PipelineFrequencyOptimizer(ClosedOnExit):
         restore_on_signals: Reset clocks on SIGINT/SIGTERM (main thread only).
         curve: CURVE client keys for a server that has them (default: from the environment,
             see :class:`PfoClient`).
+        clock_wait_s: Longest wait, when an instruction begins, for its clock to land (0: never
+            wait; the instruction then runs late or misses its clock when the GPU is slower to
+            change clocks than the pipeline is to start it).
+        wait_for_lower_clocks: Wait for a clock lower than the one in force too (default).
+            ``False`` waits only for higher clocks: an instruction that starts at a higher
+            clock than planned runs faster (a little more energy, no delay), while one that
+            starts lower would stretch the pipeline; its clock then lands late, and is
+            counted so.
+        stats_every: Iterations between two published ``OptimizerState`` events of the clock
+            counts.
+        warn_below: Warn when fewer than this share of the instructions since the last
+            event ran at their planned clock.
     """
 
     def __init__(
@@ -355,9 +429,26 @@ class PipelineFrequencyOptimizer(ClosedOnExit):
         timeout_s: float = 120.0,
         restore_on_signals: bool = True,
         curve: CurveClientKeys | None = None,
+        clock_wait_s: float = 0.05,
+        wait_for_lower_clocks: bool = True,
+        stats_every: int = 10,
+        warn_below: float = 0.99,
     ) -> None:
         if warmup_iters < 0 or profile_iters < 1:
             raise ConfigError("warmup_iters must be >= 0 and profile_iters >= 1")
+        if not (math.isfinite(clock_wait_s) and clock_wait_s >= 0):
+            raise ConfigError(f"clock_wait_s must be >= 0 s, not {clock_wait_s!r}")
+        if stats_every < 1 or not 0.0 <= warn_below <= 1.0:
+            raise ConfigError("stats_every must be >= 1 and warn_below within 0..1")
+        self.clock_wait_s = clock_wait_s
+        self.wait_for_lower_clocks = wait_for_lower_clocks
+        self.stats_every = stats_every
+        self.warn_below = warn_below
+        #: How the plan's clocks were applied so far.
+        self.clock_stats = ClockStats()
+        self._stats_mark = ClockStats()
+        self._planned = 0
+        self._on_time = False
         self.rank, self.dp_rank, self.pp_rank, self.tp_rank = rank, dp_rank, pp_rank, tp_rank
         self.device_id = device_id
         self.warmup_iters, self.profile_iters = warmup_iters, profile_iters
@@ -430,6 +521,7 @@ class PipelineFrequencyOptimizer(ClosedOnExit):
         self._pos = 0
         self._in_step = False
         self._iters_run = 0
+        self._iters_total = 0
         self._collected: list[_Iteration] = []
         self._current: _Iteration | None = None
         self._pending: p.ScheduleReply | None = None
@@ -440,6 +532,7 @@ class PipelineFrequencyOptimizer(ClosedOnExit):
             target=self._report_loop, name=f"zeus-async-pfo-{rank}", daemon=True
         )
         self._worker.start()
+        self._set_ahead()  # the first instruction's clock, before training starts
 
     def _register_job(self, job: JobInfo, world_size: int) -> str:
         job_id: str | None = None
@@ -518,16 +611,58 @@ class PipelineFrequencyOptimizer(ClosedOnExit):
             return
         if self._current is not None:
             self.monitor.begin_window(f"pfo:{name}", sync_execution=True, restart=True)
-        else:
-            self.monitor.synchronize()  # the previous instruction ends at its own clock
-        self.controller.set_frequency(mhz)
+        self._begin_clock(mhz)
 
     def on_instruction_end(self, name: str) -> None:
-        """Mark the end of an instruction."""
+        """Mark the end of an instruction (waits for its GPU work, then sets the next
+        instruction's clock ahead)."""
         if self._current is not None:
             self._current.instructions.append(
                 (name, self.monitor.end_window(f"pfo:{name}", sync_execution=True))
             )
+        elif not self._closed:
+            self.monitor.synchronize()  # it ran at its own clock; now the next one's
+        if self._closed or self._planned <= 0:
+            return
+        stats = self.clock_stats
+        stats.instructions += 1
+        if self._on_time:
+            stats.on_time += 1
+        elif self.controller.applied == self._planned:
+            stats.late += 1
+        else:
+            stats.missed += 1
+        self._planned = 0
+        self._set_ahead()
+
+    def _begin_clock(self, mhz: int) -> None:
+        """Make ``mhz`` the clock in force (waiting up to ``clock_wait_s``); note whether it
+        is, for the count at the instruction's end."""
+        controller = self.controller
+        self._planned = mhz
+        if mhz <= 0:  # "leave the clock as it is": nothing planned to count
+            self._planned = 0
+            return
+        if controller.applied != mhz:
+            controller.set_frequency(mhz)
+            lower = controller.applied is not None and mhz < controller.applied
+            if self.clock_wait_s > 0 and (self.wait_for_lower_clocks or not lower):
+                t0 = time.monotonic()
+                controller.wait_applied(mhz, self.clock_wait_s)
+                waited = time.monotonic() - t0
+                self.clock_stats.waited_s += waited
+                self.clock_stats.max_wait_s = max(self.clock_stats.max_wait_s, waited)
+        self._on_time = controller.applied == mhz
+
+    def _set_ahead(self) -> None:
+        """Hand the next instruction's clock to the controller now, so it lands before that
+        instruction begins (the next iteration's first after the last one)."""
+        freqs = self.schedule.frequencies
+        if not freqs:
+            return
+        self.controller.set_frequency(
+            freqs[self._pos][1] if self._pos < len(freqs) else freqs[0][1]
+        )
 
     def on_step_end(self) -> None:
         """Mark the end of an iteration."""
@@ -540,6 +675,9 @@ class PipelineFrequencyOptimizer(ClosedOnExit):
                 f"{len(self.schedule.frequencies)}"
             )
         self._iters_run += 1
+        self._iters_total += 1
+        if self._iters_total % self.stats_every == 0:
+            self._publish_clock_stats()
         current, self._current = self._current, None
         if current is None:
             return
@@ -548,6 +686,50 @@ class PipelineFrequencyOptimizer(ClosedOnExit):
         if len(self._collected) == self.profile_iters:
             batch, self._collected = self._collected, []
             self._work.put(batch)
+
+    def _publish_clock_stats(self) -> None:
+        """Publish the clock counts (totals, and the share on time since the last event);
+        warn when that share is below ``warn_below``."""
+        from ...events import OptimizerState
+
+        stats = self.clock_stats
+        recent = stats.since(self._stats_mark)
+        self._stats_mark = replace(stats)
+        values = {
+            "instructions": float(stats.instructions),
+            "on_time": float(stats.on_time),
+            "late": float(stats.late),
+            "missed": float(stats.missed),
+            "on_time_frac": stats.on_time_frac,
+            "recent_on_time_frac": recent.on_time_frac,
+            "waited_s": stats.waited_s,
+            "max_wait_s": stats.max_wait_s,
+        }
+        try:
+            self.monitor.publish(
+                OptimizerState(
+                    host=socket.gethostname(),
+                    t_ns=time.time_ns(),
+                    optimizer="pfo",
+                    state="clocks",
+                    detail=f"job {self.job_id} rank {self.rank} round {self.round}",
+                    values=values,
+                )
+            )
+        except Exception as exc:  # the stream may be closing; the counts stay in clock_stats
+            logger.debug("could not publish the clock counts: %s", exc)
+        if recent.instructions and recent.on_time_frac < self.warn_below:
+            logger.warning(
+                "rank %d: %d of the last %d instructions ran at their planned clock "
+                "(%d late, %d missed); the GPU changes clocks more slowly than the pipeline "
+                "starts instructions (raise clock_wait_s, now %g s)",
+                self.rank,
+                recent.on_time,
+                recent.instructions,
+                recent.late,
+                recent.missed,
+                self.clock_wait_s,
+            )
 
     # -- background -------------------------------------------------------------------------
 
