@@ -14,9 +14,14 @@ the plan; each rank applies it through :class:`PipelineFrequencyOptimizer`.
 
 GPUs are simulated here (no NVIDIA driver needed): "computing" a forward or backward means
 running a fixed amount of work at the speed the simulated GPU has at its current SM clock, so
-time and energy respond to the plan the way real GPUs do. ``--report DIR`` writes what each
-rank saw (schedules, the clock in force during each instruction, clocks after closing), which
-the project's end-to-end test checks.
+time and energy respond to the plan the way real GPUs do. The simulated GPU is busy only while
+an instruction computes; while its rank waits on another stage it idles, and its power drops
+to the idle (blocking) power, as a real GPU's does.
+
+At the end, rank 0 prints the outcome: the job's iteration time and GPU energy before the plan
+(the first profiling round, every clock at its top) and with the final plan. ``--report DIR``
+writes what each rank saw (schedules, the clock in force during each instruction, clocks after
+closing, the outcome), which the project's end-to-end test checks.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ SIM = SimConfig(
     counter_period_s=0.005,
     instant_period_s=0.005,
     instant_window_s=0.005,
-    workload=ConstantWorkload(util=1.0),
+    workload=ConstantWorkload(util=0.0),
 )
 
 
@@ -64,12 +69,38 @@ def compute(gpu: int, work_s: float) -> None:
     """
     node = sim_pynvml.current_node()
     assert node is not None
+    sim_gpu = node.gpus[gpu]
+    sim_gpu.set_load(1.0)  # kernels running
     remaining = work_s
     while remaining > 0:
-        speed = node.gpus[gpu].throughput(node.now_ns())
+        speed = sim_gpu.throughput(node.now_ns())
         t0 = time.perf_counter()
         time.sleep(min(remaining, 0.002) / speed)
         remaining -= (time.perf_counter() - t0) * speed
+    sim_gpu.set_load(0.0)  # done: idle until the next instruction
+
+
+def _outcome(measured: list[tuple[int, Any]], gpu: int, last_round: int) -> dict[str, Any]:
+    """The job's iteration time (the slowest rank's) and GPU energy (every rank's), medians
+    over the iterations of round 0 (the first one left out: warm-up) and of the final round."""
+
+    def medians(windows: list[Any]) -> list[float]:
+        if not windows:
+            return [float("nan"), float("nan")]
+        times = sorted(w.wait().time_s for w in windows)
+        energies = sorted(w.wait().gpu_energy_j[gpu] for w in windows)
+        return [times[len(times) // 2], energies[len(energies) // 2]]
+
+    before = medians([w for r, w in measured if r == 0][1:])
+    planned = medians([w for r, w in measured if r == last_round])
+    figures = torch.tensor([before[0], planned[0]], dtype=torch.float64)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # the iteration is the slowest rank's
+    energy = torch.tensor([before[1], planned[1]], dtype=torch.float64)
+    dist.all_reduce(energy)  # the job's energy is every GPU's
+    return {
+        "before": {"time_s": figures[0].item(), "energy_j": energy[0].item()},
+        "planned": {"time_s": figures[1].item(), "energy_j": energy[1].item()},
+    }
 
 
 def main() -> None:
@@ -126,7 +157,9 @@ def main() -> None:
     )
     node = sim_pynvml.current_node()
     assert node is not None
+    node.gpus[local].set_load(0.0)
     prev_rank, next_rank = rank - 1, rank + 1  # neighbours in this pipeline
+    measured: list[tuple[int, Any]] = []  # (schedule round, window of the iteration)
     act = torch.zeros(16)
     seen: list[dict[str, Any]] = []
     started = time.monotonic()
@@ -134,6 +167,7 @@ def main() -> None:
     iteration = 0
     while True:
         pfo.on_step_begin()
+        monitor.begin_window("example:iteration", sync_execution=False)
         clocks = []
         pending = []
         for name, mb in order:
@@ -155,6 +189,7 @@ def main() -> None:
             work.wait()
         grad = torch.ones(4)
         dist.all_reduce(grad, group=replicas[pp_rank])
+        measured.append((pfo.round, monitor.end_window("example:iteration", sync_execution=False)))
         pfo.on_step_end()
         iteration += 1
         seen.append({"round": pfo.round, "schedule": pfo.schedule.frequencies, "clocks": clocks})
@@ -169,10 +204,32 @@ def main() -> None:
                 break
         if time.monotonic() - started > args.max_seconds:
             raise SystemExit(f"rank {rank}: round {args.until_round} not reached in time")
+    outcome = _outcome(measured, local, pfo.round)
+    clocks_applied = pfo.clock_stats
     pfo.close()
     after = node.gpus[local].locked_sm_clocks_mhz
     monitor.close()
-    logger.info("%d iterations; last schedule round %d", iteration, pfo.round)
+    logger.info(
+        "%d iterations; last schedule round %d; clocks: %d of %d instructions on time, %.1f ms "
+        "waited for them per iteration",
+        iteration,
+        pfo.round,
+        clocks_applied.on_time,
+        clocks_applied.instructions,
+        1e3 * clocks_applied.waited_s / max(iteration, 1),
+    )
+    if rank == 0:
+        before, planned = outcome["before"], outcome["planned"]
+        logger.info(
+            "outcome: before the plan (every clock at its top) %.4f s and %.2f J per "
+            "iteration; with the plan %.4f s (%+.1f %%) and %.2f J (%+.1f %%)",
+            before["time_s"],
+            before["energy_j"],
+            planned["time_s"],
+            100 * (planned["time_s"] / before["time_s"] - 1),
+            planned["energy_j"],
+            100 * (planned["energy_j"] / before["energy_j"] - 1),
+        )
     if args.report:
         Path(args.report).mkdir(parents=True, exist_ok=True)
         report = {
@@ -181,6 +238,14 @@ def main() -> None:
             "job_id": pfo.job_id,
             "iterations": seen,
             "locked_after_close": after,
+            "outcome": outcome,
+            "clocks": {
+                "instructions": clocks_applied.instructions,
+                "on_time": clocks_applied.on_time,
+                "late": clocks_applied.late,
+                "missed": clocks_applied.missed,
+                "waited_s": clocks_applied.waited_s,
+            },
         }
         Path(args.report, f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()

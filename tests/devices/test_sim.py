@@ -377,3 +377,21 @@ def test_power_noise_is_bounded_deterministic_and_spares_the_truth() -> None:
     assert len(set(readings)) > 100
     assert g.average_power_mw(at(5)) != g.instant_power_mw(at(5))
     assert g.energy_counter_mj(at(2)) == 770_000 and node.truth_power_w(0, at(1)) == 385.0
+
+
+def test_a_load_set_by_the_program_replaces_the_trace_and_integrates_exactly() -> None:
+    cfg = SimConfig(num_gpus=1, workload=ConstantWorkload(util=1.0), epoch_ns=E0)
+    node = SimNode(cfg, FakeClock(E0), shared_state=False)
+    gpu = node.gpus[0]
+    t0 = E0 + 10 * NS
+    gpu.set_load(0.0, t0)  # the program waits on another rank
+    gpu.set_load(1.0, t0 + NS)  # its kernels run again
+    assert gpu.power_w(t0 + NS // 2) == pytest.approx(cfg.idle_w)
+    assert gpu.util_at(t0 + NS // 2) == 0.0
+    assert gpu.power_w(t0 + 3 * NS // 2) == pytest.approx(cfg.max_w)
+    # One second idle, one at full power: the energy integrates both exactly.
+    assert gpu.energy_j(t0, t0 + 2 * NS) == pytest.approx(cfg.idle_w + cfg.max_w, rel=1e-9)
+    gpu.set_load(None, t0 + 3 * NS)  # back to the trace
+    assert gpu.util_at(t0 + 4 * NS) == 1.0
+    with pytest.raises(ConfigError, match=r"within 0\.\.1"):
+        gpu.set_load(1.5)

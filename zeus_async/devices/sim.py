@@ -126,6 +126,8 @@ class _Settings(NamedTuple):
     limit_w: float
     lock_min_mhz: int | None
     lock_max_mhz: int | None
+    #: Utilization replacing the workload trace (:meth:`SimGpu.set_load`); ``None``: the trace.
+    load: float | None = None
 
 
 def _div_ns(value: float, ns: int) -> float:
@@ -140,7 +142,7 @@ class _Table:
     util-seconds for utilization.
     """
 
-    __slots__ = ("clk_mhz", "cum_e", "cum_u", "cum_w", "power", "profile", "thru")
+    __slots__ = ("clk_mhz", "cum_e", "cum_u", "cum_w", "power", "profile", "thru", "utils")
 
     def __init__(self, gpu: SimGpu, settings: _Settings) -> None:
         cfg = gpu.node.config
@@ -156,7 +158,9 @@ class _Table:
         self.power: list[float] = []
         self.thru: list[float] = []
         self.clk_mhz: list[float] = []
-        for u in prof.utils:
+        utils = prof.utils if settings.load is None else [settings.load] * len(prof.utils)
+        self.utils: list[float] = utils
+        for u in utils:
             p, r_eff = idle + dyn * u * r**3, r
             if u > 0 and p > limit:
                 cube = (limit - idle) / (dyn * u)
@@ -169,7 +173,7 @@ class _Table:
             self.clk_mhz.append(r_eff * f_max if u > 0 else min(idle_clk, target))
         self.cum_e = self._running(self.power)
         self.cum_w = self._running(self.thru)
-        self.cum_u = self._running(prof.utils)
+        self.cum_u = self._running(utils)
 
     def _running(self, rates: list[float]) -> list[float]:
         offs, out, acc = self.profile.offsets_ns, [0.0], 0.0
@@ -360,6 +364,17 @@ class SimGpu:
         hi = min(max(max_mhz, cfg.min_sm_clock_mhz), cfg.max_sm_clock_mhz)
         self._change(t_ns, lambda s: s._replace(lock_min_mhz=lo, lock_max_mhz=hi))
 
+    def set_load(self, util: float | None, t_ns: int | None = None) -> None:
+        """From ``t_ns`` (default: now) on, run at utilization ``util`` (0..1) instead of the
+        workload trace; ``None`` returns to the trace. A program that drives its simulated GPU
+        (kernels running, then waiting on other ranks) sets it at each change, so power drops
+        to idle between its kernels as a real GPU's does. This process only: other processes
+        keep the trace."""
+        if util is not None and not 0.0 <= util <= 1.0:
+            raise ConfigError(f"load must be within 0..1, not {util!r}")
+        t = self._now(t_ns)
+        self._apply(t, self._settings[-1]._replace(load=util))
+
     def reset_sm_clocks(self, t_ns: int | None = None) -> None:
         """Undo :meth:`lock_sm_clocks_mhz` from ``t_ns`` (default: now) on."""
         self._change(t_ns, lambda s: s._replace(lock_min_mhz=None, lock_max_mhz=None))
@@ -403,7 +418,9 @@ class SimGpu:
         dated at their change time, but not before the last reading reported (so no reported
         value changes) nor after now."""
         limit, lock, persistence, changed = clamp_state(self.node.config, state)
-        settings = _Settings(limit, *(lock or (None, None)))
+        # The load is this process's (a program driving its GPU), not the node state's.
+        lo, hi = lock or (None, None)
+        settings = _Settings(limit, lo, hi, self._settings[-1].load)
         if settings != self._settings[-1]:
             t = now_ns if changed is None else changed
             self._apply(min(max(t, self._reported_ns), now_ns), settings)
@@ -427,8 +444,9 @@ class SimGpu:
     # -- ground truth -----------------------------------------------------------------------
 
     def util_at(self, t_ns: int) -> float:
-        """Utilization (0..1) of the trace at ``t_ns``."""
-        return self.profile.util_at(self._rel(t_ns))
+        """Utilization (0..1) at ``t_ns``: the trace's, or the load set (:meth:`set_load`)."""
+        table, i = self._segment(t_ns)
+        return table.utils[i]
 
     def _segment(self, t_ns: int) -> tuple[_Table, int]:
         table = self._tables[self._epoch(t_ns)]
@@ -471,9 +489,7 @@ class SimGpu:
             if energy:
                 total += table.integral(table.cum_e, table.power, self._rel(t), self._rel(end))
             else:
-                total += table.integral(
-                    table.cum_u, self.profile.utils, self._rel(t), self._rel(end)
-                )
+                total += table.integral(table.cum_u, table.utils, self._rel(t), self._rel(end))
             t, j = end, j + 1
         return total
 

@@ -122,3 +122,18 @@ def test_torchrun_pipeline_profiles_plans_and_applies_the_plan(tmp_path: Path) -
         # the clock in force during each instruction is the planned one
         assert [tuple(x) for x in last["clocks"]] == [tuple(x) for x in plan[rank % 2]]
         assert report["locked_after_close"] is None  # clocks reset
+    # The outcome: the same figures on every rank (reduced over the job), and the plan saves
+    # energy for little time (stage 1 slows down where stage 0 makes it wait anyway).
+    outcomes = [
+        json.loads((tmp_path / "report" / f"rank{r}.json").read_text())["outcome"] for r in range(4)
+    ]
+    assert all(o == outcomes[0] for o in outcomes)
+    before, planned = outcomes[0]["before"], outcomes[0]["planned"]
+    assert planned["energy_j"] < 0.97 * before["energy_j"], outcomes[0]
+    assert planned["time_s"] < 1.15 * before["time_s"], outcomes[0]
+    assert "outcome: before the plan (every clock at its top)" in run.stderr
+    # GPUs idle between instructions: the blocking power measured for a 2-GPU stage is near
+    # its 2 x 150 W idle power, far from its 2 x 700 W full power (it was 982.8 W when the
+    # simulated GPUs never idled; the rest is instruction edges counted as waiting).
+    p_block = float(err.split("P_block ")[1].split(" W")[0])
+    assert 300.0 <= p_block < 500.0, p_block
