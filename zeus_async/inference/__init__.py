@@ -1,0 +1,25 @@
+"""Energy per inference request: a meter for servers and the attribution of each GPU's energy
+to the requests it served (:mod:`.attribution`)."""
+
+from __future__ import annotations
+
+from .attribution import (
+    POLICIES,
+    Attribution,
+    GpuAttribution,
+    RequestEnergy,
+    RequestSpan,
+    attribute,
+)
+from .meter import MeterTotals, RequestMeter
+
+__all__ = [
+    "POLICIES",
+    "Attribution",
+    "GpuAttribution",
+    "MeterTotals",
+    "RequestEnergy",
+    "RequestMeter",
+    "RequestSpan",
+    "attribute",
+]

@@ -1,0 +1,267 @@
+"""A request meter for inference servers: edges on the serving thread, attribution behind it.
+
+On the serving thread (any thread, sync or asyncio), each call costs one timestamp and one
+append to a deque (about a microsecond)::
+
+    meter = RequestMeter(policy="tokens")
+    meter.begin(request_id, gpus=(0,))
+    meter.phase(request_id, "decode")          # first token out: prefill is over
+    meter.end(request_id, tokens_in=812, tokens_out=64)
+
+Behind it, the meter keeps its own history of each GPU's readings (the estimator of
+:mod:`zeus_async.aggregate.history`), fed with the runtime's events (``meter.add(event)``, or
+``Runtime(consumers=[meter.consume])``), and :meth:`RequestMeter.settle` attributes energy up
+to a *horizon*: the latest instant before which every request has ended and the readings are
+in. Each settled interval is split by :func:`~.attribution.attribute`, so over everything
+settled, per GPU, the requests' energies plus idle equal the GPU's measured energy.
+
+A request still in flight holds the horizon at its begin (its token rates, which the
+``tokens`` policy needs, are known only at its end), so results come at most one request
+duration late, and memory holds the requests and readings of that stretch only.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import AsyncIterable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..aggregate.history import DeviceHistory
+from ..errors import ConfigError
+from ..events import Event, GpuSample
+from .attribution import POLICIES, Policy, RequestEnergy, RequestSpan, attribute
+
+__all__ = ["MeterTotals", "RequestMeter"]
+
+logger = logging.getLogger(__name__)
+
+_BEGIN, _PHASE, _END = 0, 1, 2
+
+#: Readings kept before the horizon (ns): context for the counter's update grid.
+_CONTEXT_NS = 10_000_000_000
+
+
+@dataclass
+class MeterTotals:
+    """Per GPU, over everything settled: measured energy, and where it went."""
+
+    energy_j: dict[int, float] = field(default_factory=dict)
+    requests_j: dict[int, float] = field(default_factory=dict)
+    idle_j: dict[int, float] = field(default_factory=dict)
+    requests: int = 0
+    #: Edges that could not be used (an end without a begin, a second begin, ...).
+    dropped_edges: int = 0
+
+
+class _Open:
+    __slots__ = ("begin_ns", "decode_ns", "gpus")
+
+    def __init__(self, gpus: tuple[int, ...], begin_ns: int) -> None:
+        self.gpus = gpus
+        self.begin_ns = begin_ns
+        self.decode_ns: int | None = None
+
+
+class RequestMeter:
+    """Energy per inference request (see the module docstring).
+
+    Args:
+        policy: How a moment's energy is split among the requests in flight: ``"equal"`` or
+            ``"tokens"`` (:mod:`.attribution`).
+        gpus: The GPUs to account for (default: those the requests name). A GPU listed here
+            reports its idle energy even when no request ran on it.
+        clock: Wall-clock ns for the edges (the clock the runtime stamps its readings with).
+        keep: How many settled results :meth:`results` keeps for the caller (oldest dropped).
+        lag_s: How far behind the latest reading the horizon stays, so the energy counter has
+            updated past it (the estimator is exact only between counter updates).
+    """
+
+    def __init__(
+        self,
+        policy: Policy = "equal",
+        gpus: Sequence[int] | None = None,
+        *,
+        clock: Callable[[], int] = time.time_ns,
+        keep: int = 100_000,
+        lag_s: float = 0.25,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
+        self.policy = policy
+        self._clock = clock
+        self._lag_ns = round(lag_s * 1e9)
+        self._edges: collections.deque[tuple[int, str, int, Any]] = collections.deque()
+        self._gpus = set(gpus or ())
+        self._open: dict[str, _Open] = {}
+        self._done: list[RequestSpan] = []
+        self._histories: dict[int, DeviceHistory] = {}
+        self._settled_ns: int | None = None
+        self._lock = threading.Lock()  # settle() from one thread at a time
+        self.totals = MeterTotals()
+        self._results: collections.deque[RequestEnergy] = collections.deque(maxlen=keep)
+
+    # -- the serving thread -----------------------------------------------------------------
+
+    def begin(self, request_id: str, gpus: Sequence[int] = (0,)) -> None:
+        """A request starts (its prefill, when phases are marked)."""
+        self._edges.append((_BEGIN, request_id, self._clock(), tuple(gpus)))
+
+    def phase(self, request_id: str, name: str = "decode") -> None:
+        """The request moves to ``decode`` (its first output token is out)."""
+        if name != "decode":
+            raise ConfigError(f"the phases are prefill (from begin) and decode, not {name!r}")
+        self._edges.append((_PHASE, request_id, self._clock(), None))
+
+    def end(self, request_id: str, *, tokens_in: int = 0, tokens_out: int = 0) -> None:
+        """The request is done, with its token counts."""
+        self._edges.append((_END, request_id, self._clock(), (tokens_in, tokens_out)))
+
+    # -- the data side ----------------------------------------------------------------------
+
+    def add(self, event: Event) -> None:
+        """Take a reading (``GpuSample``; other events are ignored)."""
+        if type(event) is not GpuSample:
+            return
+        history = self._histories.get(event.gpu)
+        if history is None:
+            history = self._histories[event.gpu] = DeviceHistory(f"gpu:{event.gpu}")
+        history.add(event.t_ns, event.power_w, event.energy_j)
+
+    def add_all(self, events: Iterable[Event]) -> None:
+        for event in events:
+            self.add(event)
+
+    async def consume(self, stream: AsyncIterable[Event], *, every_s: float = 0.5) -> None:
+        """A runtime consumer: take every reading, settle about every ``every_s``."""
+        next_settle = time.monotonic() + every_s
+        async for event in stream:
+            self.add(event)
+            now = time.monotonic()
+            if now >= next_settle:
+                next_settle = now + every_s
+                self.settle()
+        self.settle()
+
+    # -- attribution ------------------------------------------------------------------------
+
+    def _drain_edges(self) -> None:
+        edges = self._edges
+        while edges:
+            kind, rid, t, payload = edges.popleft()
+            if kind == _BEGIN:
+                if rid in self._open:
+                    self.totals.dropped_edges += 1
+                    logger.warning("request %r began twice; the second begin is ignored", rid)
+                    continue
+                self._open[rid] = _Open(payload, t)
+                continue
+            req = self._open.get(rid)
+            if req is None:
+                self.totals.dropped_edges += 1
+                logger.warning("request %r: %s without a begin (ignored)", rid,
+                               "phase" if kind == _PHASE else "end")  # fmt: skip
+                continue
+            if kind == _PHASE:
+                req.decode_ns = t
+                continue
+            del self._open[rid]
+            tin, tout = payload
+            self._done.append(RequestSpan(rid, req.gpus, req.begin_ns, t, req.decode_ns, tin, tout))
+
+    def horizon_ns(self) -> int | None:
+        """Up to when energy can be attributed now (``None``: nothing yet): before the first
+        request still in flight began, and no later than every GPU's readings cover."""
+        gpus = self._gpus | {g for s in self._done for g in s.gpus}
+        if not gpus:
+            return None
+        ends = []
+        for g in gpus:
+            h = self._histories.get(g)
+            if h is None or h.last_t_ns is None:
+                return None
+            ends.append(h.last_t_ns)
+        horizon = min(ends) - self._lag_ns
+        if self._open:
+            horizon = min(horizon, *(r.begin_ns for r in self._open.values()))
+        return horizon
+
+    def settle(self) -> list[RequestEnergy]:
+        """Attribute everything that can be now; returns the requests settled this time (also
+        kept for :meth:`results`)."""
+        with self._lock:
+            self._drain_edges()
+            horizon = self.horizon_ns()
+            if horizon is None:
+                return []
+            ready = [s for s in self._done if s.end_ns <= horizon]
+            start = self._settled_ns
+            if start is None:  # the first interval starts with the readings
+                firsts = [h.first_t_ns for h in self._histories.values() if h.first_t_ns]
+                start = max(firsts) if firsts else horizon
+            if horizon <= start:
+                return []
+            # A request that began before the readings did is counted from their start.
+            ready = [_clipped(s, start) for s in ready]
+            self._done = [s for s in self._done if s.end_ns > horizon]
+            gpus = sorted(self._gpus | {g for s in ready for g in s.gpus})
+            methods: dict[int, str] = {}
+
+            def energy(gpu: int, a: int, b: int) -> float:
+                h = self._histories.get(gpu)
+                if h is None:
+                    return 0.0
+                est = h.energy(a, b)
+                methods.setdefault(gpu, est.method)
+                return est.energy_j or 0.0
+
+            out = attribute(
+                ready,
+                energy,
+                start_ns=start,
+                end_ns=horizon,
+                gpus=gpus,
+                policy=self.policy,
+                method=methods,
+            )
+            totals = self.totals
+            for gpu, g in out.gpus.items():
+                totals.energy_j[gpu] = totals.energy_j.get(gpu, 0.0) + g.energy_j
+                totals.requests_j[gpu] = totals.requests_j.get(gpu, 0.0) + g.requests_j
+                totals.idle_j[gpu] = totals.idle_j.get(gpu, 0.0) + g.idle_j
+            totals.requests += len(out.requests)
+            self._settled_ns = horizon
+            for h in self._histories.values():
+                # Readings well before the horizon: the counter's update grid is fitted to
+                # the brackets around an edge, so some context stays.
+                h.trim_before(horizon - _CONTEXT_NS)
+            settled = list(out.requests.values())
+            self._results.extend(settled)
+            return settled
+
+    def results(self) -> list[RequestEnergy]:
+        """The settled requests kept so far (oldest first)."""
+        return list(self._results)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests begun and not yet ended (as of the last :meth:`settle`)."""
+        return len(self._open)
+
+
+def _clipped(span: RequestSpan, start: int) -> RequestSpan:
+    if span.begin_ns >= start:
+        return span
+    decode = None if span.decode_ns is None else max(span.decode_ns, start)
+    return RequestSpan(
+        span.request_id,
+        span.gpus,
+        start,
+        max(span.end_ns, start),
+        decode,
+        span.tokens_in,
+        span.tokens_out,
+    )
