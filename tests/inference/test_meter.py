@@ -3,6 +3,7 @@ attribution that conserves each GPU's measured energy, on a fake clock and on th
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 
@@ -140,3 +141,18 @@ def test_many_serving_threads_at_once() -> None:
     meter._drain_edges()
     assert meter.totals.dropped_edges == 0 and meter.in_flight == 0
     assert len(meter._done) == 16_000
+
+
+@pytest.mark.parametrize("end_ms", [400, 385])  # counter covers the range / stops before it
+def test_cumulative_energy_is_the_estimator_in_one_pass(end_ms: int) -> None:
+    history = DeviceHistory("gpu:0")
+    feed(RequestMeter(gpus=[0]), history, T0, T0 + 390 * MS)
+    times = [T0 + t * MS for t in (13, 40, 41, 77, 150, 222, 300, end_ms)]
+    got = history.cumulative(times)
+    assert got is not None
+    values, method = got
+    whole = history.energy(times[0], times[-1])
+    assert values[0] == 0.0 and values[-1] == pytest.approx(whole.energy_j, rel=1e-12)
+    assert method == whole.method
+    for (a, b), (va, vb) in zip(itertools.pairwise(times), itertools.pairwise(values), strict=True):
+        assert vb - va == pytest.approx(history.energy(a, b).energy_j, rel=1e-9, abs=1e-9)

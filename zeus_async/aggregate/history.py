@@ -37,7 +37,7 @@ import bisect
 import logging
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from ..events import GpuSample, Measurement, RaplSample
 
@@ -428,6 +428,42 @@ class DeviceHistory:
             if late0 or late1:
                 method += ", late"
             return EnergyEstimate(energy, method, err0 + err1)
+
+    def cumulative(self, times: Sequence[int]) -> tuple[list[float], str] | None:
+        """Energy from ``times[0]`` to each of ``times`` (sorted), in one pass: the estimator
+        of :meth:`energy` over the whole range (counter where it covers the range, else the
+        integrated power readings), so energies of adjacent intervals are differences that add
+        up, bit for bit, to the whole. For splitting one stretch among many intervals (the
+        request meter's segments); ``None`` when no data covers it."""
+        if not times:
+            return [], "unavailable"
+        t0, t1 = times[0], times[-1]
+        with self._lock:
+            ct, pt = self._ct, self._pt
+            if len(ct) >= 2:
+                first = self._counter_start()
+                if first < t1 and ct[-1] > t0 and (pt or (first <= t0 and ct[-1] >= t1)):
+                    head = self._head_model_active()
+                    # Counter inside [lo, hi], integrated power outside: energy()'s
+                    # counter+extrapolated, as one cumulative function.
+                    lo, hi = max(t0, first), min(t1, ct[-1])
+                    c_lo = self._counter_at(lo, head)
+                    f_lo = self._integral(t0, lo)
+                    f_hi = f_lo + self._counter_at(hi, head) - c_lo
+                    out = []
+                    for t in times:
+                        if t <= lo:
+                            out.append(self._integral(t0, t))
+                        elif t <= hi:
+                            out.append(f_lo + self._counter_at(t, head) - c_lo)
+                        else:
+                            out.append(f_hi + self._integral(hi, t))
+                    covered = lo == t0 and hi == t1
+                    return out, "counter+interpolated" if covered else "counter+extrapolated"
+            if pt:
+                base = self._cum(t0)
+                return [self._cum(t) - base for t in times], "integrated"
+        return None
 
     def span_energy(self) -> EnergyEstimate:
         """Energy over the device's own span, from its first to its last sample.

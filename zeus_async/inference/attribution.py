@@ -30,6 +30,7 @@ the segment``, and a request's energy in a phase is its weight times the differe
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -56,6 +57,10 @@ POLICIES: Final = ("equal", "tokens")
 
 #: ``energy(gpu, t0_ns, t1_ns)``: joules GPU ``gpu`` drew over ``[t0_ns, t1_ns]``.
 EnergyFn = Callable[[int, int, int], float]
+
+#: ``cumulative(gpu, times)``: joules GPU ``gpu`` drew from ``times[0]`` to each of ``times``
+#: (sorted); the faster form, one pass per GPU (``DeviceHistory.cumulative``).
+CumulativeFn = Callable[[int, Sequence[int]], Sequence[float]]
 
 
 @dataclass(frozen=True)
@@ -164,8 +169,9 @@ class Attribution:
 
 def attribute(
     spans: Iterable[RequestSpan],
-    energy: EnergyFn,
+    energy: EnergyFn | None = None,
     *,
+    cumulative: CumulativeFn | None = None,
     start_ns: int | None = None,
     end_ns: int | None = None,
     gpus: Sequence[int] | None = None,
@@ -177,7 +183,8 @@ def attribute(
 
     Args:
         spans: The requests; each must lie within the interval.
-        energy: ``energy(gpu, t0_ns, t1_ns)`` in J, additive over adjacent intervals.
+        energy: ``energy(gpu, t0_ns, t1_ns)`` in J, additive over adjacent intervals; or
+        cumulative: ``cumulative(gpu, times)`` (:data:`CumulativeFn`), one call per GPU.
         start_ns, end_ns: The interval (default: from the first request's begin to the last
             one's end).
         gpus: The GPUs to account for (default: every GPU a request names).
@@ -191,6 +198,11 @@ def attribute(
     """
     if policy not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
+    if (energy is None) == (cumulative is None):
+        raise ConfigError("give energy or cumulative (one of them)")
+    if cumulative is None:
+        assert energy is not None
+        cumulative = _cumulative_of(energy)
     spans = list(spans)
     ids = [s.request_id for s in spans]
     if len(set(ids)) != len(ids):
@@ -222,7 +234,7 @@ def attribute(
     for gpu in all_gpus:
         on_gpu = [s for s in spans if gpu in s.gpus]
         result.gpus[gpu] = _attribute_gpu(
-            gpu, on_gpu, energy, start_ns, end_ns, policy, result.requests
+            gpu, on_gpu, cumulative, start_ns, end_ns, policy, result.requests
         )
         # (read after the GPU's energy was asked for: a caller may learn it from that)
         gpu_method = method if isinstance(method, str) else method.get(gpu, "")
@@ -248,10 +260,21 @@ def _weights(
     return out
 
 
+def _cumulative_of(energy: EnergyFn) -> CumulativeFn:
+    def cumulative(gpu: int, times: Sequence[int]) -> list[float]:
+        out, acc = [0.0], 0.0
+        for a, b in itertools.pairwise(times):
+            acc += energy(gpu, a, b)
+            out.append(acc)
+        return out
+
+    return cumulative
+
+
 def _attribute_gpu(
     gpu: int,
     spans: Sequence[RequestSpan],
-    energy: EnergyFn,
+    cumulative: CumulativeFn,
     start_ns: int,
     end_ns: int,
     policy: Policy,
@@ -271,29 +294,34 @@ def _attribute_gpu(
     times = sorted({start_ns, end_ns, *changes})
     active: dict[int, float] = {}
     weight = 0.0
-    count = positive = 0
-    share: dict[int, float] = {}  # t -> running sum of energy / weight up to t
-    share_eq: dict[int, float] = {}  # t -> the same over segments that weigh nothing, / count
-    run = run_eq = 0.0
+    count = positive = 0  # phases in flight, and those of them that weigh more than 0
+    # Running sums (compensated: a long busy stretch makes them large, and a request's share
+    # is a difference of two of them) of energy / weight, and of energy / count over the
+    # segments that weigh nothing.
+    share: dict[int, tuple[float, float]] = {}
+    share_eq: dict[int, tuple[float, float]] = {}
+    run, run_eq = _Sum(), _Sum()
     idle_parts: list[float] = []
     idle_s = busy_s = 0.0
     parts: list[float] = []
+    values = cumulative(gpu, times)
     for i, t in enumerate(times):
         step = changes.get(t)
         if step is not None:
             for k, w in step:
                 if k >= 0:
                     active[k] = w
+                    positive += w > 0
                 else:
                     del active[-k - 1]
+                    positive -= w > 0
             count = len(active)
-            positive = sum(1 for w in active.values() if w > 0)
-            weight = math.fsum(active.values())
-        share[t], share_eq[t] = run, run_eq
+            weight = math.fsum(active.values()) if positive else 0.0
+        share[t], share_eq[t] = run.value(), run_eq.value()
         if i + 1 == len(times):
             break
         nxt = times[i + 1]
-        e = energy(gpu, t, nxt)
+        e = values[i + 1] - values[i]
         parts.append(e)
         dt = (nxt - t) / 1e9
         if count == 0:
@@ -302,15 +330,15 @@ def _attribute_gpu(
             continue
         busy_s += dt
         if positive:
-            run += e / weight
+            run.add(e / weight)
         else:
-            run_eq += e / count
+            run_eq.add(e / count)
     attributed: list[float] = []
     for s, per_request in zip(spans, phases, strict=True):
         r = requests[s.request_id]
         got: list[float] = []
         for name, a, b, w in per_request:
-            part = w * (share[b] - share[a]) if w > 0 else share_eq[b] - share_eq[a]
+            part = w * _diff(share[b], share[a]) if w > 0 else _diff(share_eq[b], share_eq[a])
             got.append(part)
             if name == "prefill":
                 r.prefill_j = (r.prefill_j or 0.0) + part
@@ -326,6 +354,31 @@ def _attribute_gpu(
         busy_s=busy_s,
         idle_s=idle_s,
     )
+
+
+class _Sum:
+    """A running sum with Neumaier's compensation."""
+
+    __slots__ = ("comp", "total")
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.comp = 0.0
+
+    def add(self, x: float) -> None:
+        t = self.total + x
+        if abs(self.total) >= abs(x):
+            self.comp += (self.total - t) + x
+        else:
+            self.comp += (x - t) + self.total
+        self.total = t
+
+    def value(self) -> tuple[float, float]:
+        return self.total, self.comp
+
+
+def _diff(b: tuple[float, float], a: tuple[float, float]) -> float:
+    return (b[0] - a[0]) + (b[1] - a[1])
 
 
 def requests_total(result: Attribution, gpu: int) -> float:

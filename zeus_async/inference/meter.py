@@ -210,17 +210,18 @@ class RequestMeter:
             gpus = sorted(self._gpus | {g for s in ready for g in s.gpus})
             methods: dict[int, str] = {}
 
-            def energy(gpu: int, a: int, b: int) -> float:
+            def cumulative(gpu: int, times: Sequence[int]) -> Sequence[float]:
                 h = self._histories.get(gpu)
-                if h is None:
-                    return 0.0
-                est = h.energy(a, b)
-                methods.setdefault(gpu, est.method)
-                return est.energy_j or 0.0
+                got = None if h is None else h.cumulative(times)
+                if got is None:
+                    methods[gpu] = "unavailable"
+                    return [0.0] * len(times)
+                methods[gpu] = got[1]
+                return got[0]
 
             out = attribute(
                 ready,
-                energy,
+                cumulative=cumulative,
                 start_ns=start,
                 end_ns=horizon,
                 gpus=gpus,
