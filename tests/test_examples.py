@@ -80,3 +80,16 @@ def test_power_limit_training_example() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "chosen power limit:" in proc.stdout
     assert "limit W" in proc.stdout and "profiling steps:" in proc.stdout
+
+
+def test_inference_server_example() -> None:
+    proc = _run(str(EXAMPLES / "inference_server.py"), "--seconds", "2", "--rate", "15")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.startswith("served ") and "requests on one simulated GPU" in out
+    header = out.splitlines()[1].split()
+    assert header[:4] == ["request", "in", "out", "time"]
+    for policy in ("equal", "tokens"):
+        line = next(x for x in out.splitlines() if x.strip().startswith(f"{policy}: gpu:0"))
+        off = float(line.split("off by ")[1].split(" J")[0])
+        assert abs(off) < 1e-6, line  # requests + idle = measured

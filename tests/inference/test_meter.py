@@ -156,3 +156,21 @@ def test_cumulative_energy_is_the_estimator_in_one_pass(end_ms: int) -> None:
     assert method == whole.method
     for (a, b), (va, vb) in zip(itertools.pairwise(times), itertools.pairwise(values), strict=True):
         assert vb - va == pytest.approx(history.energy(a, b).energy_j, rel=1e-9, abs=1e-9)
+
+
+def test_a_request_that_ended_past_the_horizon_is_settled_whole_later() -> None:
+    clock = Clock()
+    meter = RequestMeter(gpus=[0], clock=clock, lag_s=0.05)
+    reference = DeviceHistory("gpu:0")
+    feed(meter, reference, T0, T0 + 50 * MS)
+    clock.now = T0 + 60 * MS
+    meter.begin("r")
+    clock.now = T0 + 300 * MS
+    meter.end("r")
+    feed(meter, reference, T0 + 60 * MS, T0 + 310 * MS)  # readings cover 260 ms after the lag
+    assert meter.settle() == []
+    assert meter.horizon_ns() == T0 + 60 * MS  # not past the begin of a request not settled
+    feed(meter, reference, T0 + 320 * MS, T0 + 500 * MS)
+    (r,) = meter.settle()
+    assert r.time_s == pytest.approx(0.24)
+    assert r.energy_j == pytest.approx(reference.energy(T0 + 60 * MS, T0 + 300 * MS).energy_j)

@@ -1,5 +1,6 @@
 """Energy per inference request: a meter for servers and the attribution of each GPU's energy
-to the requests it served (:mod:`.attribution`)."""
+to the requests it served (:mod:`.attribution`), with an ASGI middleware (:mod:`.asgi`) and
+Prometheus histograms (:mod:`.metrics`). See ``docs/requests.md``."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ from typing import Any
 from ..aggregate.history import DeviceHistory
 from ..errors import ConfigError
 from ..events import Event, GpuSample
-from .attribution import POLICIES, Policy, RequestEnergy, RequestSpan, attribute
+from .attribution import POLICIES, Attribution, Policy, RequestEnergy, RequestSpan, attribute
 
 __all__ = ["MeterTotals", "RequestMeter"]
 
@@ -102,7 +102,9 @@ class RequestMeter:
         self._settled_ns: int | None = None
         self._lock = threading.Lock()  # settle() from one thread at a time
         self.totals = MeterTotals()
-        self._results: collections.deque[RequestEnergy] = collections.deque(maxlen=keep)
+        self._keep = keep
+        self._results: collections.OrderedDict[str, RequestEnergy] = collections.OrderedDict()
+        self._subscribers: list[Callable[[Attribution], None]] = []
 
     # -- the serving thread -----------------------------------------------------------------
 
@@ -187,7 +189,13 @@ class RequestMeter:
         horizon = min(ends) - self._lag_ns
         if self._open:
             horizon = min(horizon, *(r.begin_ns for r in self._open.values()))
-        return horizon
+        # A request that has ended after the horizon is attributed whole later: the horizon
+        # stays before its begin too (and before those of the requests that then end after it).
+        while True:
+            lower = min((s.begin_ns for s in self._done if s.end_ns > horizon), default=horizon)
+            if lower >= horizon:
+                return horizon
+            horizon = lower
 
     def settle(self) -> list[RequestEnergy]:
         """Attribute everything that can be now; returns the requests settled this time (also
@@ -240,12 +248,30 @@ class RequestMeter:
                 # the brackets around an edge, so some context stays.
                 h.trim_before(horizon - _CONTEXT_NS)
             settled = list(out.requests.values())
-            self._results.extend(settled)
-            return settled
+            results = self._results
+            for r in settled:
+                results[r.request_id] = r
+            while len(results) > self._keep:
+                results.popitem(last=False)
+        for callback in self._subscribers:
+            try:
+                callback(out)
+            except Exception:
+                logger.exception("a request-meter subscriber failed")
+        return settled
 
     def results(self) -> list[RequestEnergy]:
-        """The settled requests kept so far (oldest first)."""
-        return list(self._results)
+        """The settled requests kept so far (the latest ``keep``, oldest first)."""
+        return list(self._results.values())
+
+    def settled(self, request_id: str) -> RequestEnergy | None:
+        """A kept request's figures, once settled."""
+        return self._results.get(request_id)
+
+    def subscribe(self, callback: Callable[[Attribution], None]) -> None:
+        """Call ``callback`` with each settled interval (its requests and GPUs), after
+        :meth:`settle` (the Prometheus metrics, events)."""
+        self._subscribers.append(callback)
 
     @property
     def in_flight(self) -> int:

@@ -1,0 +1,156 @@
+"""ASGI middleware measuring each HTTP request's energy (Starlette, FastAPI, any ASGI app).
+
+::
+
+    from zeus_async.inference import RequestMeter
+    from zeus_async.inference.asgi import EnergyMiddleware
+
+    meter = RequestMeter(policy="tokens")
+    app = EnergyMiddleware(app, meter, gpus=(0,), energy_header=True)
+
+Each HTTP request is metered from the moment the app is called to the last byte of its
+response; a streaming response (several body messages) marks ``decode`` at its first chunk.
+The app reports token counts by setting ``scope["state"]["tokens"] = (tokens_in, tokens_out)``
+(Starlette and FastAPI: ``request.state.tokens = (812, 64)``); the GPUs default to ``gpus``
+and an app may name them per request in ``scope["state"]["gpus"]``.
+
+With ``energy_header``, the response's headers wait until the request is attributed (at most
+``header_wait_s``), then carry ``x-energy-joules`` and ``x-energy-method``: the energy is known
+only once the request has ended and the GPU's readings cover it, so the response is held back
+(its body is buffered) for that long. Without it, responses pass through untouched and every
+response carries ``x-energy-request-id``, the id the request's figures are settled under
+(:meth:`RequestMeter.results`, the Prometheus histograms, the events).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from typing import Any
+
+import anyio
+
+from .meter import RequestMeter
+
+__all__ = ["EnergyMiddleware"]
+
+logger = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class EnergyMiddleware:
+    """Meter every HTTP request of ``app`` (see the module docstring).
+
+    Args:
+        app: The ASGI application.
+        meter: The meter (fed with the runtime's readings elsewhere).
+        gpus: The GPUs a request runs on unless the app says otherwise.
+        energy_header: Hold each response until its energy is attributed and put it in the
+            ``x-energy-joules`` header.
+        header_wait_s: Longest hold; past it the header says ``pending``.
+        poll_s: How often a held response looks for its figure (settling the meter).
+    """
+
+    def __init__(
+        self,
+        app: App,
+        meter: RequestMeter,
+        *,
+        gpus: Sequence[int] = (0,),
+        energy_header: bool = False,
+        header_wait_s: float = 5.0,
+        poll_s: float = 0.02,
+    ) -> None:
+        self.app = app
+        self.meter = meter
+        self.gpus = tuple(gpus)
+        self.energy_header = energy_header
+        self.header_wait_s = header_wait_s
+        self.poll_s = poll_s
+        self._ids = itertools.count()
+        self._prefix = f"{os.getpid():x}-{time.time_ns() & 0xFFFFFFFF:x}"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = f"{self._prefix}-{next(self._ids)}"
+        state = scope.setdefault("state", {})
+        self.meter.begin(rid, tuple(state.get("gpus", self.gpus)))
+        held: list[Message] = []
+        chunks = 0
+        ended = False
+
+        def finish() -> None:
+            nonlocal ended
+            if ended:
+                return
+            ended = True
+            tokens_in, tokens_out = state.get("tokens", (0, 0))
+            self.meter.end(rid, tokens_in=int(tokens_in), tokens_out=int(tokens_out))
+
+        async def metered_send(message: Message) -> None:
+            nonlocal chunks
+            kind = message["type"]
+            if kind == "http.response.start":
+                headers = list(message.get("headers", []))
+                headers.append((b"x-energy-request-id", rid.encode()))
+                message = {**message, "headers": headers}
+                if self.energy_header:
+                    held.append(message)
+                    return
+            elif kind == "http.response.body":
+                more = bool(message.get("more_body", False))
+                chunks += 1
+                if chunks == 1 and more:
+                    self.meter.phase(rid)  # the first chunk of a stream: decoding
+                if not more:
+                    finish()
+                if self.energy_header:
+                    held.append(message)
+                    if not more:
+                        await self._release(rid, held, send)
+                    return
+            await send(message)
+
+        try:
+            await self.app(scope, receive, metered_send)
+        finally:
+            finish()  # an app that failed, or never sent its last body message
+
+    async def _release(self, rid: str, held: list[Message], send: Send) -> None:
+        """Send the held response with the request's energy in its headers."""
+        figure = await self._figure(rid)
+        start = held[0]
+        headers = list(start.get("headers", []))
+        if figure is None:
+            headers.append((b"x-energy-joules", b"pending"))
+        else:
+            headers.append((b"x-energy-joules", f"{figure.energy_j:.6g}".encode()))
+            headers.append((b"x-energy-method", figure.method.encode()))
+        body = b"".join(bytes(m.get("body", b"")) for m in held[1:])
+        await send({**start, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _figure(self, rid: str) -> Any:
+        deadline = anyio.current_time() + self.header_wait_s
+        while True:
+            for r in self.meter.settle():
+                if r.request_id == rid:
+                    return r
+            found = self.meter.settled(rid)
+            if found is not None:
+                return found
+            if anyio.current_time() >= deadline:
+                logger.debug("request %s: energy not attributed within %g s", rid,
+                             self.header_wait_s)  # fmt: skip
+                return None
+            await anyio.sleep(self.poll_s)

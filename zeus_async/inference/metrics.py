@@ -1,0 +1,91 @@
+"""Prometheus metrics of request energy: histograms per request and per output token, and the
+idle and attributed energy per GPU (prometheus_client).
+
+::
+
+    metrics = RequestMetrics(meter)              # observes every settled request
+    app.mount("/metrics", prometheus_client.make_asgi_app(metrics.registry))
+
+Series (base units, as the rest of zeus_async's metrics):
+
+* ``zeus_request_energy_joules`` (histogram, label ``policy``): energy per request;
+* ``zeus_request_energy_per_output_token_joules`` (histogram): per generated token, for
+  requests that generated any;
+* ``zeus_request_gpu_energy_joules_total{gpu, kind}`` (counter): each GPU's settled energy,
+  ``kind="requests"`` or ``"idle"``; their sum is the GPU's measured energy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from .attribution import Attribution
+from .meter import RequestMeter
+
+__all__ = ["ENERGY_BUCKETS", "PER_TOKEN_BUCKETS", "RequestMetrics"]
+
+logger = logging.getLogger(__name__)
+
+#: Joules per request: from a short request on a small GPU to a long generation on a big one.
+ENERGY_BUCKETS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0, 3000.0, 10000.0)
+#: Joules per output token.
+PER_TOKEN_BUCKETS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
+
+
+class RequestMetrics:
+    """Prometheus series of a meter's settled requests (see the module docstring).
+
+    Args:
+        meter: The meter to observe.
+        registry: Where the series live (default: a registry of their own).
+        buckets, per_token_buckets: Histogram buckets (J).
+    """
+
+    def __init__(
+        self,
+        meter: RequestMeter,
+        registry: Any = None,
+        *,
+        buckets: Sequence[float] = ENERGY_BUCKETS,
+        per_token_buckets: Sequence[float] = PER_TOKEN_BUCKETS,
+    ) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.energy = Histogram(
+            "zeus_request_energy_joules",
+            "Energy attributed to each inference request",
+            ["policy"],
+            buckets=tuple(buckets),
+            registry=self.registry,
+        )
+        self.per_token = Histogram(
+            "zeus_request_energy_per_output_token_joules",
+            "Energy attributed to each inference request per output token",
+            ["policy"],
+            buckets=tuple(per_token_buckets),
+            registry=self.registry,
+        )
+        self.gpu_energy = Counter(
+            "zeus_request_gpu_energy_joules",
+            "GPU energy settled by the request meter, to requests or idle",
+            ["gpu", "kind"],
+            registry=self.registry,
+        )
+        self.policy = meter.policy
+        meter.subscribe(self.observe)
+
+    def observe(self, attribution: Attribution) -> None:
+        """Take one settled interval (called by the meter)."""
+        policy = attribution.policy
+        energy = self.energy.labels(policy)
+        per_token = self.per_token.labels(policy)
+        for r in attribution.requests.values():
+            energy.observe(r.energy_j)
+            if r.tokens_out:
+                per_token.observe(r.energy_j / r.tokens_out)
+        for gpu, g in attribution.gpus.items():
+            self.gpu_energy.labels(str(gpu), "requests").inc(max(g.requests_j, 0.0))
+            self.gpu_energy.labels(str(gpu), "idle").inc(max(g.idle_j, 0.0))
