@@ -11,7 +11,10 @@ readings and the same request edges; at the end the script prints, per request, 
 prefill and decode energy and J per output token under both, then per GPU the measured energy
 and where it went (requests + idle = measured).
 
-    python examples/inference_server.py [--seconds 5] [--rate 20]
+    python examples/inference_server.py [--seconds 5] [--rate 20] [--record run.zarc]
+
+With ``--record``, the GPU readings and the token meter's ``request`` and ``request_idle``
+events go to a recording (``zeus-async inspect run.zarc`` summarizes the requests).
 """
 
 from __future__ import annotations
@@ -147,7 +150,9 @@ async def generate(
     return sent
 
 
-async def main_async(seconds: float, rate: float) -> tuple[list[RequestMeter], int]:
+async def main_async(
+    seconds: float, rate: float, record: str | None = None
+) -> tuple[list[RequestMeter], int]:
     meters = [
         RequestMeter("equal", gpus=[0], lag_s=0.05),
         RequestMeter("tokens", gpus=[0], lag_s=0.05),
@@ -160,7 +165,16 @@ async def main_async(seconds: float, rate: float) -> tuple[list[RequestMeter], i
 
     torch.manual_seed(0)
     model = TinyLM().eval()
-    async with Runtime(backend="sim", sim_config=SIM, period_s=0.005, cpus=None, consumers=[feed]):
+    async with Runtime(
+        backend="sim",
+        sim_config=SIM,
+        period_s=0.005,
+        cpus=None,
+        consumers=[feed],
+        record=record,
+        overwrite=True,
+    ) as rt:
+        meters[1].publish_with(rt.publish_nowait, host=rt.host)
         await anyio.sleep(0.2)  # readings before the first request
         send, receive = anyio.create_memory_object_stream[Request](1000)
         async with anyio.create_task_group() as tg:
@@ -206,9 +220,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="how long requests arrive")
     parser.add_argument("--rate", type=float, default=20.0, help="requests per second")
+    parser.add_argument("--record", default=None, help="record readings and request events")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    meters, n = anyio.run(main_async, args.seconds, args.rate)
+    meters, n = anyio.run(main_async, args.seconds, args.rate, args.record)
     print(f"served {n} requests on one simulated GPU")
     report(meters)
 

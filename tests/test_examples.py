@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -82,8 +84,14 @@ def test_power_limit_training_example() -> None:
     assert "limit W" in proc.stdout and "profiling steps:" in proc.stdout
 
 
-def test_inference_server_example() -> None:
-    proc = _run(str(EXAMPLES / "inference_server.py"), "--seconds", "2", "--rate", "15")
+def test_inference_server_example(tmp_path: Path) -> None:
+    from zeus_async.store.analysis import Recording
+
+    record = tmp_path / "serve.zarc"
+    proc = _run(
+        str(EXAMPLES / "inference_server.py"), "--seconds", "2", "--rate", "15",
+        "--record", str(record),
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert out.startswith("served ") and "requests on one simulated GPU" in out
@@ -93,3 +101,11 @@ def test_inference_server_example() -> None:
         line = next(x for x in out.splitlines() if x.strip().startswith(f"{policy}: gpu:0"))
         off = float(line.split("off by ")[1].split(" J")[0])
         assert abs(off) < 1e-6, line  # requests + idle = measured
+    # The token meter's events are in the recording: requests + idle = measured per GPU.
+    rec = Recording(record)
+    served = int(out.split()[1])
+    assert len(rec.requests()) == served
+    ((gpu, (measured, requests, idle)),) = rec.request_totals().items()
+    assert gpu == 0 and requests + idle == pytest.approx(measured, rel=1e-9)
+    inspect = _run("-m", "zeus_async", "inspect", str(record))
+    assert f"{served} inference request(s) (tokens shares)" in inspect.stdout

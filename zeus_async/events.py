@@ -40,6 +40,8 @@ __all__ = [
     "PowerLimitChange",
     "ProcessSample",
     "RaplSample",
+    "RequestIdle",
+    "RequestMeasurement",
     "StreamInfo",
     "WindowClose",
     "WindowOpen",
@@ -325,6 +327,43 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", **_OPTS):
     topic_frames: dict[str, NonNegInt] | None = None
 
 
+class RequestMeasurement(msgspec.Struct, tag="request", **_OPTS):
+    """The energy attributed to one inference request (:mod:`zeus_async.inference`).
+
+    ``gpu_energy_j`` maps GPU index to joules; ``prefill_j``/``decode_j`` split it by phase
+    when the server marked them; ``policy`` is how concurrent requests shared each moment
+    (``equal``, ``tokens``), and ``method`` adds the energy estimator's method.
+    """
+
+    host: str
+    t_ns: int
+    request_id: str
+    begin_ns: int
+    end_ns: int
+    gpu_energy_j: dict[int, float]
+    decode_ns: int | None = None
+    prefill_j: float | None = None
+    decode_j: float | None = None
+    tokens_in: NonNegInt = 0
+    tokens_out: NonNegInt = 0
+    policy: str = ""
+    method: str = ""
+
+
+class RequestIdle(msgspec.Struct, tag="request_idle", **_OPTS):
+    """Over one interval the request meter settled: each GPU's measured energy and the part
+    of it with no request in flight (the rest went to the ``request`` events of the
+    interval)."""
+
+    host: str
+    t_ns: int
+    start_ns: int
+    end_ns: int
+    gpu_energy_j: dict[int, float]
+    gpu_idle_j: dict[int, float]
+    policy: str = ""
+
+
 Event = (
     GpuSample
     | RaplSample
@@ -338,6 +377,8 @@ Event = (
     | StreamInfo
     | Heartbeat
     | OptimizerState
+    | RequestMeasurement
+    | RequestIdle
 )
 """The tagged union of every event kind."""
 
@@ -383,6 +424,10 @@ def event_topic(event: Event) -> str:
         return f"fault/{event.host}/{event.device}"
     if isinstance(event, OptimizerState):
         return f"optimizer/{event.host}/{event.optimizer}"
+    if isinstance(event, RequestMeasurement):
+        return f"request/{event.host}/{event.request_id}"
+    if isinstance(event, RequestIdle):
+        return f"request/{event.host}"
     return f"stream/{event.host}"
 
 

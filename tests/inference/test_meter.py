@@ -174,3 +174,34 @@ def test_a_request_that_ended_past_the_horizon_is_settled_whole_later() -> None:
     (r,) = meter.settle()
     assert r.time_s == pytest.approx(0.24)
     assert r.energy_j == pytest.approx(reference.energy(T0 + 60 * MS, T0 + 300 * MS).energy_j)
+
+
+def test_settled_requests_are_published_as_events() -> None:
+    from zeus_async.events import RequestIdle, RequestMeasurement, event_topic
+
+    clock = Clock()
+    meter = RequestMeter("tokens", gpus=[0], clock=clock, lag_s=0.0)
+    events: list[object] = []
+    meter.publish_with(events.append, host="node1")
+    reference = DeviceHistory("gpu:0")
+    feed(meter, reference, T0, T0 + 50 * MS)
+    for i, a in enumerate([60, 100]):
+        clock.now = T0 + a * MS
+        meter.begin(f"r{i}")
+        clock.now = T0 + (a + 20) * MS
+        meter.phase(f"r{i}")
+    for i, b in enumerate([200, 260]):
+        clock.now = T0 + b * MS
+        meter.end(f"r{i}", tokens_in=50, tokens_out=10)
+    feed(meter, reference, T0 + 60 * MS, T0 + 400 * MS)
+    settled = meter.settle()
+    requests = [e for e in events if isinstance(e, RequestMeasurement)]
+    (idle,) = [e for e in events if isinstance(e, RequestIdle)]
+    assert [e.request_id for e in requests] == [r.request_id for r in settled] == ["r0", "r1"]
+    for e, r in zip(requests, settled, strict=True):
+        assert e.gpu_energy_j == r.gpu_energy_j and e.decode_j == r.decode_j
+        assert (e.begin_ns, e.decode_ns, e.end_ns) == (r.begin_ns, r.decode_ns, r.end_ns)
+        assert e.policy == "tokens" and event_topic(e) == f"request/node1/{e.request_id}"
+    assert idle.gpu_energy_j[0] == pytest.approx(
+        sum(e.gpu_energy_j[0] for e in requests) + idle.gpu_idle_j[0], abs=1e-9
+    )

@@ -164,6 +164,14 @@ _PROCESS_TOTALS = (
     Column("time s", keep=4),
 )
 
+#: ``inspect``'s split of each GPU's energy by the request meter.
+_REQUEST_TOTALS = (
+    Column("device", left=True),
+    Column("measured J"),
+    Column("requests J"),
+    Column("idle J"),
+)
+
 #: The window tables of ``inspect`` and ``replay`` (``replay`` adds "same as recorded").
 _WINDOWS = (
     Column("window", left=True),
@@ -254,6 +262,22 @@ async def _inspect(args: argparse.Namespace, out: TextIO) -> int:
                 ]
             )
         write_table(out, _PROCESS_TOTALS, rows)
+    requests = rec.requests()
+    if requests:
+        counts = rec.request_totals()
+        energy_of = {r.request_id: sum(r.gpu_energy_j.values()) for r in requests}
+        per_token = sorted(energy_of[r.request_id] / r.tokens_out for r in requests if r.tokens_out)
+        energies = sorted(energy_of.values())
+        w(f"\n{len(requests)} inference request(s) ({requests[0].policy} shares): median ")
+        w(f"{energies[len(energies) // 2]:.3f} J")
+        if per_token:
+            w(f", {per_token[len(per_token) // 2]:.4f} J per output token")
+        w("\n")
+        rows = [
+            [f"gpu:{gpu}", f"{m:.2f}", f"{req:.2f}", f"{idle:.2f}"]
+            for gpu, (m, req, idle) in counts.items()
+        ]
+        write_table(out, _REQUEST_TOTALS, rows)
     windows = rec.windows()
     if windows:
         shown = windows[: max(args.windows, 0)]

@@ -121,6 +121,7 @@ class RequestEnergy:
         tokens_in, tokens_out: As reported.
         time_s: Its duration.
         method: How it was obtained: the policy, and the energy estimator's method.
+        begin_ns, end_ns, decode_ns: Its edges (wall-clock ns).
     """
 
     request_id: str
@@ -132,6 +133,9 @@ class RequestEnergy:
     tokens_out: int
     time_s: float
     method: str
+    begin_ns: int = 0
+    end_ns: int = 0
+    decode_ns: int | None = None
 
     @property
     def j_per_output_token(self) -> float | None:
@@ -230,6 +234,9 @@ def attribute(
             tokens_out=s.tokens_out,
             time_s=(s.end_ns - s.begin_ns) / 1e9,
             method="",
+            begin_ns=s.begin_ns,
+            end_ns=s.end_ns,
+            decode_ns=s.decode_ns,
         )
     for gpu in all_gpus:
         on_gpu = [s for s in spans if gpu in s.gpus]

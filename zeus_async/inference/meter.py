@@ -268,6 +268,50 @@ class RequestMeter:
         """A kept request's figures, once settled."""
         return self._results.get(request_id)
 
+    def publish_with(self, publish: Callable[[Event], Any], host: str | None = None) -> None:
+        """Publish each settled request as a ``request`` event and each settled interval's idle
+        energy as a ``request_idle`` event, with ``publish`` (``Monitor.publish``,
+        ``Runtime.publish_nowait``...): on the bus and in recordings like any event."""
+        import socket
+
+        from ..events import RequestIdle, RequestMeasurement
+
+        name = host or socket.gethostname()
+
+        def send(out: Attribution) -> None:
+            now = time.time_ns()
+            for r in out.requests.values():
+                publish(
+                    RequestMeasurement(
+                        host=name,
+                        t_ns=now,
+                        request_id=r.request_id,
+                        begin_ns=r.begin_ns,
+                        end_ns=r.end_ns,
+                        gpu_energy_j=dict(r.gpu_energy_j),
+                        decode_ns=r.decode_ns,
+                        prefill_j=r.prefill_j,
+                        decode_j=r.decode_j,
+                        tokens_in=r.tokens_in,
+                        tokens_out=r.tokens_out,
+                        policy=out.policy,
+                        method=r.method,
+                    )
+                )
+            publish(
+                RequestIdle(
+                    host=name,
+                    t_ns=now,
+                    start_ns=out.start_ns,
+                    end_ns=out.end_ns,
+                    gpu_energy_j={g: a.energy_j for g, a in out.gpus.items()},
+                    gpu_idle_j={g: a.idle_j for g, a in out.gpus.items()},
+                    policy=out.policy,
+                )
+            )
+
+        self.subscribe(send)
+
     def subscribe(self, callback: Callable[[Attribution], None]) -> None:
         """Call ``callback`` with each settled interval (its requests and GPUs), after
         :meth:`settle` (the Prometheus metrics, events)."""

@@ -78,6 +78,8 @@ from ..events import (
     Measurement,
     ProcessSample,
     RaplSample,
+    RequestIdle,
+    RequestMeasurement,
     StreamInfo,
     event_kind,
     event_to_dict,
@@ -318,6 +320,8 @@ class _Loaded:
     histories: dict[str, DeviceHistory] = field(default_factory=dict)
     spans: dict[str, tuple[int, int]] = field(default_factory=dict)
     windows: list[Measurement] = field(default_factory=list)
+    requests: list[RequestMeasurement] = field(default_factory=list)
+    request_idle: list[RequestIdle] = field(default_factory=list)
     streams: dict[str, StreamInfo] = field(default_factory=dict)
     hosts: list[str] = field(default_factory=list)
     several_hosts: bool = False
@@ -356,6 +360,10 @@ def _load(reader: RecordingReader, progress: Progress | None) -> _Loaded:
                     group.append(event)
             elif isinstance(event, Measurement):
                 out.windows.append(event)
+            elif isinstance(event, RequestMeasurement):
+                out.requests.append(event)
+            elif isinstance(event, RequestIdle):
+                out.request_idle.append(event)
             elif isinstance(event, StreamInfo):
                 # Every stream's own description (a stream that joined a recording after its
                 # header was written is only here); the first one of each stream is kept.
@@ -456,6 +464,8 @@ class Recording:
         self._histories = loaded.histories
         self._spans = loaded.spans
         self._windows = loaded.windows
+        self._requests = loaded.requests
+        self._request_idle = loaded.request_idle
         counts = {_tag(t): n for t, n in loaded.types.items()}
         self._kinds = dict(sorted(counts.items()))
         self._streams = loaded.streams
@@ -524,6 +534,24 @@ class Recording:
             return list(self._columns)
         metric = self._check_metric(metric)
         return [d for d, cols in self._columns.items() if metric in cols]
+
+    def requests(self) -> list[RequestMeasurement]:
+        """The inference requests the recording holds (``request`` events, in order)."""
+        return list(self._requests)
+
+    def request_totals(self) -> dict[int, tuple[float, float, float]]:
+        """Per GPU, over the request meter's settled intervals in the recording:
+        ``(measured J, requests J, idle J)``; requests + idle = measured."""
+        out: dict[int, list[float]] = {}
+        for idle in self._request_idle:
+            for gpu, energy in idle.gpu_energy_j.items():
+                row = out.setdefault(gpu, [0.0, 0.0, 0.0])
+                row[0] += energy
+                row[2] += idle.gpu_idle_j.get(gpu, 0.0)
+        for r in self._requests:
+            for gpu, energy in r.gpu_energy_j.items():
+                out.setdefault(gpu, [0.0, 0.0, 0.0])[1] += energy
+        return {gpu: (row[0], row[1], row[2]) for gpu, row in sorted(out.items())}
 
     def event_counts(self) -> dict[str, int]:
         """How many events of each kind (``"gpu"``, ``"measurement"``...) the recording holds,
