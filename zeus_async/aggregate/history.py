@@ -157,6 +157,38 @@ class SensorModel:
         self.min_agreement = min_agreement
 
 
+class _Memo:
+    """Per-pass memory of one history's refined update instants, merged spans and power
+    integrals at period edges (:meth:`DeviceHistory.cumulative`): many instants in the same
+    counter periods then cost one bisect and a split each, for the same figures."""
+
+    __slots__ = ("_cums", "_history", "_merged", "_refined")
+
+    def __init__(self, history: DeviceHistory) -> None:
+        self._history = history
+        self._refined: dict[int, float] = {}
+        self._merged: dict[int, tuple[int, int] | None] = {}
+        self._cums: dict[float, float] = {}
+
+    def refined(self, k: int) -> float:
+        value = self._refined.get(k)
+        if value is None:
+            value = self._refined[k] = self._history._refined(k)
+        return value
+
+    def merged(self, i: int) -> tuple[int, int] | None:
+        if i in self._merged:
+            return self._merged[i]
+        value = self._merged[i] = self._history._merged(i)
+        return value
+
+    def cum(self, t: float) -> float:
+        value = self._cums.get(t)
+        if value is None:
+            value = self._cums[t] = self._history._cum(t)
+        return value
+
+
 class EnergyEstimate:
     """Energy over an interval, how it was obtained, and what its edges leave uncertain.
 
@@ -444,18 +476,19 @@ class DeviceHistory:
                 first = self._counter_start()
                 if first < t1 and ct[-1] > t0 and (pt or (first <= t0 and ct[-1] >= t1)):
                     head = self._head_model_active()
+                    memo = _Memo(self)
                     # Counter inside [lo, hi], integrated power outside: energy()'s
                     # counter+extrapolated, as one cumulative function.
                     lo, hi = max(t0, first), min(t1, ct[-1])
-                    c_lo = self._counter_at(lo, head)
+                    c_lo = self._counter_at(lo, head, memo)
                     f_lo = self._integral(t0, lo)
-                    f_hi = f_lo + self._counter_at(hi, head) - c_lo
+                    f_hi = f_lo + self._counter_at(hi, head, memo) - c_lo
                     out = []
                     for t in times:
                         if t <= lo:
                             out.append(self._integral(t0, t))
                         elif t <= hi:
-                            out.append(f_lo + self._counter_at(t, head) - c_lo)
+                            out.append(f_lo + self._counter_at(t, head, memo) - c_lo)
                         else:
                             out.append(f_hi + self._integral(hi, t))
                     covered = lo == t0 and hi == t1
@@ -513,8 +546,13 @@ class DeviceHistory:
             and self.power_changes_with_counter >= sensor.min_agreement * changes
         )
 
-    def _counter_at(self, t_ns: float, head: bool) -> float:
-        """Cumulative energy at ``t_ns`` from the counter points (clamped at the ends)."""
+    def _counter_at(self, t_ns: float, head: bool, memo: _Memo | None = None) -> float:
+        """Cumulative energy at ``t_ns`` from the counter points (clamped at the ends).
+
+        ``memo`` (:meth:`cumulative`) remembers the refined update instants, merged spans and
+        power integrals at period edges across the calls of one pass: the same figures."""
+        refined = self._refined if memo is None else memo.refined
+        merged = self._merged if memo is None else memo.merged
         pinned = self._pin_counter.get((t_ns, head))
         if pinned is not None:
             return pinned
@@ -533,19 +571,19 @@ class DeviceHistory:
         if 0 < i < len(ct) and not self.fine_counter:
             # The raw instants are midpoints of the sample interval that saw each update;
             # the refined ones come from the regular update grid around them.
-            t_a, t_b = self._refined(i - 1), self._refined(i)
+            t_a, t_b = refined(i - 1), refined(i)
             if t_ns < t_a and i >= 2:
                 i -= 1
-                t_a, t_b = self._refined(i - 1), t_a
+                t_a, t_b = refined(i - 1), t_a
             elif t_ns >= t_b and i + 1 < len(ct):
                 i += 1
-                t_a, t_b = t_b, self._refined(i)
+                t_a, t_b = t_b, refined(i)
         elif 0 < i < len(ct):
             t_a, t_b = ct[i - 1], ct[i]
         if 0 < i < len(ct) and not self.fine_counter:
-            span = self._merged(i)
+            span = merged(i)
             if span is not None:
-                return self._merged_at(t_ns, *span, by_power=True)
+                return self._merged_at(t_ns, *span, by_power=True, memo=memo)
         if i == 0:
             return ce[0]
         if i == len(ct):
@@ -556,7 +594,7 @@ class DeviceHistory:
         offset = min(max(t_ns - t_a, 0), t_b - t_a)
         if not head:
             if not self.fine_counter and self._pt:
-                return self._merged_at(t_ns, i - 1, i, by_power=True)
+                return self._merged_at(t_ns, i - 1, i, by_power=True, memo=memo)
             return ce[i - 1] + (ce[i] - ce[i - 1]) * offset / (t_b - t_a)
         nxt = cp[i + 1] if i + 1 < len(cp) else _NAN
         return ce[i - 1] + self._period_partial(ce[i] - ce[i - 1], cp[i], nxt, offset, t_b - t_a)
@@ -589,20 +627,24 @@ class DeviceHistory:
             return None
         return j0, j1
 
-    def _merged_at(self, t_ns: float, j0: int, j1: int, *, by_power: bool) -> float:
+    def _merged_at(
+        self, t_ns: float, j0: int, j1: int, *, by_power: bool, memo: _Memo | None = None
+    ) -> float:
         """The counter at ``t_ns`` inside the merged periods ``j0 .. j1``: their exact energy
         split in proportion to the integrated power readings (``by_power``, when there are
         any), else to time."""
         ce = self._ce
-        t_a, t_b = self._refined(j0), self._refined(j1)
+        refined = self._refined if memo is None else memo.refined
+        cum_edge = self._cum if memo is None else memo.cum
+        t_a, t_b = refined(j0), refined(j1)
         if t_b <= t_a:
             return ce[j1] if t_ns >= t_b else ce[j0]
         t = min(max(t_ns, t_a), t_b)
         share = (t - t_a) / (t_b - t_a)
         if by_power and self._pt:
-            whole = self._cum(t_b) - self._cum(t_a)
+            whole = cum_edge(t_b) - cum_edge(t_a)
             if whole > 0:
-                share = (self._cum(t) - self._cum(t_a)) / whole
+                share = (self._cum(t) - cum_edge(t_a)) / whole
         return ce[j0] + (ce[j1] - ce[j0]) * share
 
     def _typical_interval(self, i: int) -> float:

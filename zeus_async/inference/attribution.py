@@ -82,8 +82,8 @@ class RequestSpan:
     begin_ns: int
     end_ns: int
     decode_ns: int | None = None
-    tokens_in: int = 0
-    tokens_out: int = 0
+    tokens_in: float = 0
+    tokens_out: float = 0
 
     def __post_init__(self) -> None:
         if self.end_ns < self.begin_ns:
@@ -129,8 +129,8 @@ class RequestEnergy:
     gpu_energy_j: dict[int, float]
     prefill_j: float | None
     decode_j: float | None
-    tokens_in: int
-    tokens_out: int
+    tokens_in: float
+    tokens_out: float
     time_s: float
     method: str
     begin_ns: int = 0
@@ -299,60 +299,82 @@ def _attribute_gpu(
             changes.setdefault(b, []).append((-key - 1, w))
             key += 1
     times = sorted({start_ns, end_ns, *changes})
+    n = len(times)
     active: dict[int, float] = {}
     weight = 0.0
     count = positive = 0  # phases in flight, and those of them that weigh more than 0
-    # Running sums (compensated: a long busy stretch makes them large, and a request's share
-    # is a difference of two of them) of energy / weight, and of energy / count over the
-    # segments that weigh nothing.
-    share: dict[int, tuple[float, float]] = {}
-    share_eq: dict[int, tuple[float, float]] = {}
-    run, run_eq = _Sum(), _Sum()
+    # Running sums, compensated (Neumaier): a long busy stretch makes them large, and a
+    # request's share is a difference of two of them. ``run``: energy / weight; ``run_eq``:
+    # energy / count over the segments that weigh nothing. Indexed by the position in times.
+    run = run_c = run_eq = run_eq_c = 0.0
+    share = [0.0] * n
+    share_c = [0.0] * n
+    share_eq = [0.0] * n
+    share_eq_c = [0.0] * n
     idle_parts: list[float] = []
     idle_s = busy_s = 0.0
-    parts: list[float] = []
     values = cumulative(gpu, times)
+    fsum = math.fsum
     for i, t in enumerate(times):
         step = changes.get(t)
         if step is not None:
+            exact = False
             for k, w in step:
                 if k >= 0:
                     active[k] = w
                     positive += w > 0
+                    weight += w
                 else:
                     del active[-k - 1]
                     positive -= w > 0
+                    weight -= w
+                    # A weight far above what stays would leave its rounding behind: the
+                    # exact sum then (token rates span orders of magnitude).
+                    exact = exact or w > 1e3 * abs(weight)
             count = len(active)
-            weight = math.fsum(active.values()) if positive else 0.0
-        share[t], share_eq[t] = run.value(), run_eq.value()
-        if i + 1 == len(times):
+            if not positive:
+                weight = 0.0
+            elif exact:
+                weight = fsum(active.values())
+        share[i], share_c[i], share_eq[i], share_eq_c[i] = run, run_c, run_eq, run_eq_c
+        if i + 1 == n:
             break
-        nxt = times[i + 1]
         e = values[i + 1] - values[i]
-        parts.append(e)
-        dt = (nxt - t) / 1e9
+        dt = (times[i + 1] - t) / 1e9
         if count == 0:
             idle_parts.append(e)
             idle_s += dt
             continue
         busy_s += dt
         if positive:
-            run.add(e / weight)
+            x = e / weight
+            total = run + x
+            run_c += (run - total) + x if abs(run) >= abs(x) else (x - total) + run
+            run = total
         else:
-            run_eq.add(e / count)
+            x = e / count
+            total = run_eq + x
+            run_eq_c += (run_eq - total) + x if abs(run_eq) >= abs(x) else (x - total) + run_eq
+            run_eq = total
+    pos = {t: i for i, t in enumerate(times)}
     attributed: list[float] = []
     for s, per_request in zip(spans, phases, strict=True):
         r = requests[s.request_id]
         got: list[float] = []
         for name, a, b, w in per_request:
-            part = w * _diff(share[b], share[a]) if w > 0 else _diff(share_eq[b], share_eq[a])
+            ia, ib = pos[a], pos[b]
+            if w > 0:
+                part = w * ((share[ib] - share[ia]) + (share_c[ib] - share_c[ia]))
+            else:
+                part = (share_eq[ib] - share_eq[ia]) + (share_eq_c[ib] - share_eq_c[ia])
             got.append(part)
             if name == "prefill":
                 r.prefill_j = (r.prefill_j or 0.0) + part
             elif name == "decode":
                 r.decode_j = (r.decode_j or 0.0) + part
-        r.gpu_energy_j[gpu] = math.fsum(got)
+        r.gpu_energy_j[gpu] = fsum(got)
         attributed.append(r.gpu_energy_j[gpu])
+    parts = [values[i + 1] - values[i] for i in range(n - 1)]
     return GpuAttribution(
         gpu=gpu,
         energy_j=math.fsum(parts),
@@ -361,31 +383,6 @@ def _attribute_gpu(
         busy_s=busy_s,
         idle_s=idle_s,
     )
-
-
-class _Sum:
-    """A running sum with Neumaier's compensation."""
-
-    __slots__ = ("comp", "total")
-
-    def __init__(self) -> None:
-        self.total = 0.0
-        self.comp = 0.0
-
-    def add(self, x: float) -> None:
-        t = self.total + x
-        if abs(self.total) >= abs(x):
-            self.comp += (self.total - t) + x
-        else:
-            self.comp += (x - t) + self.total
-        self.total = t
-
-    def value(self) -> tuple[float, float]:
-        return self.total, self.comp
-
-
-def _diff(b: tuple[float, float], a: tuple[float, float]) -> float:
-    return (b[0] - a[0]) + (b[1] - a[1])
 
 
 def requests_total(result: Attribution, gpu: int) -> float:

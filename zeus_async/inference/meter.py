@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterable, Callable, Iterable, Sequence
@@ -98,6 +99,10 @@ class RequestMeter:
         self._gpus = set(gpus or ())
         self._open: dict[str, _Open] = {}
         self._done: list[RequestSpan] = []
+        #: Requests attributed in part (they ended after a horizon they began before).
+        self._partial: dict[str, RequestEnergy] = {}
+        #: Each ended request's own edges and token counts, until it is settled.
+        self._edges_of: dict[str, tuple[int, int, int | None, int, int]] = {}
         self._histories: dict[int, DeviceHistory] = {}
         self._settled_ns: int | None = None
         self._lock = threading.Lock()  # settle() from one thread at a time
@@ -172,11 +177,13 @@ class RequestMeter:
                 continue
             del self._open[rid]
             tin, tout = payload
+            self._edges_of[rid] = (req.begin_ns, t, req.decode_ns, tin, tout)
             self._done.append(RequestSpan(rid, req.gpus, req.begin_ns, t, req.decode_ns, tin, tout))
 
     def horizon_ns(self) -> int | None:
-        """Up to when energy can be attributed now (``None``: nothing yet): before the first
-        request still in flight began, and no later than every GPU's readings cover."""
+        """Up to when energy can be attributed now (``None``: nothing yet): no later than
+        the first request still in flight began (its token rates are not known yet), nor than
+        every GPU's readings cover, less ``lag_s``."""
         gpus = self._gpus | {g for s in self._done for g in s.gpus}
         if not gpus:
             return None
@@ -189,33 +196,41 @@ class RequestMeter:
         horizon = min(ends) - self._lag_ns
         if self._open:
             horizon = min(horizon, *(r.begin_ns for r in self._open.values()))
-        # A request that has ended after the horizon is attributed whole later: the horizon
-        # stays before its begin too (and before those of the requests that then end after it).
-        while True:
-            lower = min((s.begin_ns for s in self._done if s.end_ns > horizon), default=horizon)
-            if lower >= horizon:
-                return horizon
-            horizon = lower
+        return horizon
 
     def settle(self) -> list[RequestEnergy]:
         """Attribute everything that can be now; returns the requests settled this time (also
-        kept for :meth:`results`)."""
+        kept for :meth:`results`).
+
+        A request that ended after the horizon but began before it is attributed in two
+        pieces: up to the horizon now, the rest at a later settle, at the same token rates
+        (its whole phases'); it is returned once, whole, when its last piece is settled."""
         with self._lock:
             self._drain_edges()
             horizon = self.horizon_ns()
             if horizon is None:
                 return []
-            ready = [s for s in self._done if s.end_ns <= horizon]
             start = self._settled_ns
             if start is None:  # the first interval starts with the readings
                 firsts = [h.first_t_ns for h in self._histories.values() if h.first_t_ns]
                 start = max(firsts) if firsts else horizon
             if horizon <= start:
                 return []
-            # A request that began before the readings did is counted from their start.
-            ready = [_clipped(s, start) for s in ready]
-            self._done = [s for s in self._done if s.end_ns > horizon]
-            gpus = sorted(self._gpus | {g for s in ready for g in s.gpus})
+            now: list[RequestSpan] = []
+            later: list[RequestSpan] = []
+            for span in self._done:
+                # A request that began before the readings did is counted from their start.
+                span = _clipped(span, start)
+                if span.end_ns <= horizon:
+                    now.append(span)
+                elif span.begin_ns < horizon:
+                    head, tail = _split(span, horizon)
+                    now.append(head)
+                    later.append(tail)
+                else:
+                    later.append(span)
+            self._done = later
+            gpus = sorted(self._gpus | {g for s in now for g in s.gpus})
             methods: dict[int, str] = {}
 
             def cumulative(gpu: int, times: Sequence[int]) -> Sequence[float]:
@@ -228,7 +243,7 @@ class RequestMeter:
                 return got[0]
 
             out = attribute(
-                ready,
+                now,
                 cumulative=cumulative,
                 start_ns=start,
                 end_ns=horizon,
@@ -241,24 +256,43 @@ class RequestMeter:
                 totals.energy_j[gpu] = totals.energy_j.get(gpu, 0.0) + g.energy_j
                 totals.requests_j[gpu] = totals.requests_j.get(gpu, 0.0) + g.requests_j
                 totals.idle_j[gpu] = totals.idle_j.get(gpu, 0.0) + g.idle_j
-            totals.requests += len(out.requests)
             self._settled_ns = horizon
             for h in self._histories.values():
                 # Readings well before the horizon: the counter's update grid is fitted to
                 # the brackets around an edge, so some context stays.
                 h.trim_before(horizon - _CONTEXT_NS)
-            settled = list(out.requests.values())
+            pending = {s.request_id for s in later}
+            settled = []
+            for rid, part in out.requests.items():
+                whole = _merge(self._partial.pop(rid, None), part)
+                if rid in pending:
+                    self._partial[rid] = whole  # more of it at a later settle
+                    continue
+                whole = self._finish(whole)
+                settled.append(whole)
+            totals.requests += len(settled)
             results = self._results
             for r in settled:
                 results[r.request_id] = r
             while len(results) > self._keep:
                 results.popitem(last=False)
+            final = Attribution(out.start_ns, out.end_ns, out.policy)
+            final.requests = {r.request_id: r for r in settled}
+            final.gpus = out.gpus
         for callback in self._subscribers:
             try:
-                callback(out)
+                callback(final)
             except Exception:
                 logger.exception("a request-meter subscriber failed")
         return settled
+
+    def _finish(self, r: RequestEnergy) -> RequestEnergy:
+        """The request as reported: its own edges and token counts, not its pieces'."""
+        begin, end, decode, tokens_in, tokens_out = self._edges_of.pop(r.request_id)
+        r.begin_ns, r.end_ns, r.decode_ns = begin, end, decode
+        r.tokens_in, r.tokens_out = tokens_in, tokens_out
+        r.time_s = (end - begin) / 1e9
+        return r
 
     def results(self) -> list[RequestEnergy]:
         """The settled requests kept so far (the latest ``keep``, oldest first)."""
@@ -292,8 +326,8 @@ class RequestMeter:
                         decode_ns=r.decode_ns,
                         prefill_j=r.prefill_j,
                         decode_j=r.decode_j,
-                        tokens_in=r.tokens_in,
-                        tokens_out=r.tokens_out,
+                        tokens_in=round(r.tokens_in),
+                        tokens_out=round(r.tokens_out),
                         policy=out.policy,
                         method=r.method,
                     )
@@ -321,6 +355,50 @@ class RequestMeter:
     def in_flight(self) -> int:
         """Requests begun and not yet ended (as of the last :meth:`settle`)."""
         return len(self._open)
+
+
+def _split(span: RequestSpan, at: int) -> tuple[RequestSpan, RequestSpan]:
+    """``span`` cut at ``at``, each piece with its share of the tokens of the phase it cuts, so
+    both keep the whole phase's token rate (what the ``tokens`` policy weighs)."""
+    b, e, d = span.begin_ns, span.end_ns, span.decode_ns
+    tin, tout = float(span.tokens_in), float(span.tokens_out)
+    if d is None:  # one phase of all its tokens
+        total = tin + tout
+        first = total * (at - b) / (e - b)
+        return (
+            RequestSpan(span.request_id, span.gpus, b, at, None, first, 0.0),
+            RequestSpan(span.request_id, span.gpus, at, e, None, total - first, 0.0),
+        )
+    if at <= d:  # cuts the prefill
+        first = tin * (at - b) / (d - b)
+        return (
+            RequestSpan(span.request_id, span.gpus, b, at, at, first, 0.0),
+            RequestSpan(span.request_id, span.gpus, at, e, d, tin - first, tout),
+        )
+    first = tout * (at - d) / (e - d)  # cuts the decode
+    return (
+        RequestSpan(span.request_id, span.gpus, b, at, d, tin, first),
+        RequestSpan(span.request_id, span.gpus, at, e, at, 0.0, tout - first),
+    )
+
+
+def _merge(earlier: RequestEnergy | None, part: RequestEnergy) -> RequestEnergy:
+    """A request's figures over its pieces so far."""
+    if earlier is None:
+        return part
+    gpus = dict(earlier.gpu_energy_j)
+    for gpu, joules in part.gpu_energy_j.items():
+        gpus[gpu] = gpus.get(gpu, 0.0) + joules
+
+    def add(a: float | None, b: float | None) -> float | None:
+        return None if a is None and b is None else (a or 0.0) + (b or 0.0)
+
+    earlier.gpu_energy_j = gpus
+    earlier.energy_j = math.fsum(gpus.values())
+    earlier.prefill_j = add(earlier.prefill_j, part.prefill_j)
+    earlier.decode_j = add(earlier.decode_j, part.decode_j)
+    earlier.method = part.method or earlier.method
+    return earlier
 
 
 def _clipped(span: RequestSpan, start: int) -> RequestSpan:
