@@ -190,4 +190,4 @@ def test_decimate_keeps_the_envelope_and_gaps() -> None:
     finite = [y for y in dy if not math.isnan(y)]
     assert min(finite) == 0.0 and max(finite) == 6.0
     assert sum(math.isnan(y) for y in dy) == 1
-    assert dx == sorted(dx)
+    assert list(dx) == sorted(dx)

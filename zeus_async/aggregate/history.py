@@ -38,8 +38,13 @@ import logging
 import math
 import threading
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from ..events import GpuSample, Measurement, RaplSample
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 __all__ = [
     "DeviceHistory",
@@ -279,6 +284,93 @@ class DeviceHistory:
         self.lost_at_ns: int | None = None
         self.has_counter = False
         self.counter_updates = 0
+
+    @classmethod
+    def from_arrays(
+        cls,
+        key: str,
+        t_ns: npt.NDArray[np.int64],
+        power_w: npt.NDArray[np.float64] | None,
+        counter_j: npt.NDArray[np.float64] | None,
+        *,
+        fine_counter: bool = False,
+        sensor: SensorModel | None = None,
+    ) -> DeviceHistory:
+        """A history holding exactly what :meth:`add` of each sample in turn would hold, built
+        with array operations (the offline analysis's load path, :mod:`zeus_async.store`).
+
+        Args:
+            key: Device key.
+            t_ns: Sample times, in arrival order.
+            power_w: Power of each sample, NaN where the sample has none; ``None``: no power.
+            counter_j: Counter of each sample, NaN where the sample has none; ``None``: none.
+            fine_counter, sensor: As for the constructor.
+
+        Samples with neither value are skipped, as :func:`add_sample` skips them; a sample not
+        later than the previous one taken is dropped (counted in :attr:`dropped`), as
+        :meth:`add` drops it. Every list, counter and flag equals the sequential result to the
+        last bit (the trapezoid sums are accumulated left to right, as :meth:`add` does).
+        """
+        import numpy as np
+
+        self = cls(key, fine_counter=fine_counter, sensor=sensor)
+        t = np.asarray(t_ns, dtype=np.int64)
+        n = len(t)
+        nan = np.full(n, np.nan)
+        pw = nan if power_w is None else np.asarray(power_w, dtype=np.float64)
+        ce = nan if counter_j is None else np.asarray(counter_j, dtype=np.float64)
+        if len(pw) != n or len(ce) != n:
+            raise ValueError("t_ns, power_w and counter_j must have the same length")
+        has_p = ~np.isnan(pw)
+        has_c = ~np.isnan(ce)
+        some = has_p | has_c
+        t, pw, ce, has_p, has_c = t[some], pw[some], ce[some], has_p[some], has_c[some]
+        if not len(t):
+            return self
+        # add() takes a sample only when it is later than every sample taken before it.
+        before = np.maximum.accumulate(t)
+        keep = np.ones(len(t), dtype=bool)
+        keep[1:] = t[1:] > before[:-1]
+        self.dropped = int(len(t) - np.count_nonzero(keep))
+        t, pw, ce, has_p, has_c = t[keep], pw[keep], ce[keep], has_p[keep], has_c[keep]
+        self.first_t_ns = int(t[0])
+        self.last_t_ns = int(t[-1])
+        # Power samples and their running trapezoid integral (left to right, as add() sums).
+        pt, pv = t[has_p], pw[has_p]
+        if len(pt):
+            steps = (pv[:-1] + pv[1:]) / 2 * (pt[1:] - pt[:-1]) / 1e9
+            cum = np.empty(len(pt))
+            cum[0] = 0.0
+            np.cumsum(steps, out=cum[1:])
+            self._pt, self._pw, self._pc = pt.tolist(), pv.tolist(), cum.tolist()
+            self._last_power = float(pv[-1])
+        # Where the power reading changed from the previous reading.
+        changed = np.zeros(len(t), dtype=bool)
+        if len(pt) > 1:
+            changed[np.flatnonzero(has_p)[1:]] = pv[1:] != pv[:-1]
+        self.power_changes = int(np.count_nonzero(changed))
+        rows = np.flatnonzero(has_c)
+        if len(rows):
+            self.has_counter = True
+            tc, cv = t[rows], ce[rows]
+            self._first_reading = (int(tc[0]), float(cv[0]))
+            self._last_counter, self._last_counter_t = float(cv[-1]), int(tc[-1])
+            if fine_counter:
+                self._ct_first = int(tc[0])
+                self._ct, self._cb, self._ce = tc.tolist(), tc.tolist(), cv.tolist()
+                self._cp = [_NAN] * len(tc)
+            else:
+                moved = np.flatnonzero(cv[1:] != cv[:-1]) + 1
+                if len(moved):
+                    at = rows[moved]
+                    ct = (tc[moved - 1] + tc[moved]) // 2
+                    self._ct_first = int(ct[0])
+                    self._ct, self._cb = ct.tolist(), tc[moved - 1].tolist()
+                    self._ce = cv[moved].tolist()
+                    self._cp = np.where(has_p[at], pw[at], np.nan).tolist()
+                    self.counter_updates = len(moved)
+                    self.power_changes_with_counter = int(np.count_nonzero(changed[at]))
+        return self
 
     # -- writing (runtime thread) -------------------------------------------------------------
 

@@ -91,10 +91,16 @@ def add_parsers(sub: Any) -> None:
         "--windows", type=nonnegative_int, default=20, help="windows to list (default 20)"
     )
 
-    exp = sub.add_parser("export", help="convert a recording to CSV or JSON lines")
+    exp = sub.add_parser("export", help="convert a recording to CSV, JSON lines or Parquet")
     exp.add_argument("file")
-    exp.add_argument("--format", choices=("csv", "jsonl"), required=True)
-    exp.add_argument("-o", "--output", default="-", help="output file (default: stdout)")
+    exp.add_argument("--format", choices=("csv", "jsonl", "parquet"), required=True)
+    exp.add_argument(
+        "-o",
+        "--output",
+        default="-",
+        help="output file (default: stdout); parquet: a directory of <kind>.parquet files, or "
+        "one .parquet file with a single --kind",
+    )
     exp.add_argument("--kind", action="append", default=None, help="event kind (repeatable)")
     exp.add_argument("--force", action="store_true", help="overwrite an existing output file")
 
@@ -142,6 +148,14 @@ def add_parsers(sub: Any) -> None:
     plo.add_argument("file")
     plo.add_argument("-o", "--output", required=True, help="image file (.png, .svg, .pdf)")
     plo.add_argument("--title", default=None)
+    plo.add_argument(
+        "--layout",
+        # zeus_async.store.plot.LAYOUTS, not imported here: it would load numpy at every start
+        choices=("auto", "overlay", "multiples", "heatmap"),
+        default="auto",
+        help="the GPUs on one axes (overlay), on one small axes each (multiples) or as rows of "
+        "a heatmap; auto: overlay up to 4 GPUs, multiples up to 16, heatmap above (default)",
+    )
     plo.add_argument("--force", action="store_true", help="overwrite an existing image")
 
 
@@ -292,6 +306,8 @@ async def _export(args: argparse.Namespace, out: TextIO) -> int:
     from ..store.analysis import export_csv, export_jsonl
     from ..store.outputs import claim_output
 
+    if args.format == "parquet":
+        return await _export_parquet(args, out)
     fn = export_csv if args.format == "csv" else export_jsonl
     if args.output != "-":
         claim_output(args.output, inputs=[args.file], overwrite=args.force, what="export")
@@ -301,6 +317,22 @@ async def _export(args: argparse.Namespace, out: TextIO) -> int:
     )
     if args.output != "-":
         out.write(f"exported {n} events to {args.output}\n")
+    return 0
+
+
+async def _export_parquet(args: argparse.Namespace, out: TextIO) -> int:
+    from ..store.columns import export_parquet
+
+    if args.output == "-":
+        raise ConfigError("export --format parquet needs -o/--output (a directory or a .parquet)")
+    progress = terminal_progress("exporting parquet")
+    written = await anyio.to_thread.run_sync(
+        lambda: export_parquet(
+            args.file, args.output, kinds=args.kind, progress=progress, overwrite=args.force
+        )
+    )
+    rows = ", ".join(f"{kind} {n}" for kind, n in written.items())
+    out.write(f"exported {sum(written.values())} events to {args.output} ({rows})\n")
     return 0
 
 
@@ -452,6 +484,7 @@ async def _plot(args: argparse.Namespace, out: TextIO) -> int:
             args.file,
             args.output,
             title=args.title,
+            layout=args.layout,
             overwrite=args.force,
             progress=terminal_progress("reading"),
         )

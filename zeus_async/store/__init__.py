@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from .format import NotARecordingError, RecordingHeader, default_header
+from .plot import power_figure
 from .reader import RecordingReader, RecoveryReport, event_device
 from .recorder import Recorder, recording_parts, rotated_path, write_recording
 
@@ -22,6 +23,7 @@ __all__ = [
     "RecoveryReport",
     "default_header",
     "event_device",
+    "power_figure",
     "recording_parts",
     "rotated_path",
     "write_recording",

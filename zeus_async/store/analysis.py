@@ -50,34 +50,31 @@ more with ``done_bytes == total_bytes`` when the pass ends.
 
 from __future__ import annotations
 
-import collections
 import csv
+import datetime
 import io
 import itertools
 import json
 import logging
-import operator
 import os
 import sys
-import typing
-from array import array
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import IO, TYPE_CHECKING, Any, Final
 
-from ..aggregate.history import DeviceHistory, EnergyEstimate, add_sample
+import numpy as np
+import numpy.typing as npt
+
+from ..aggregate.history import DeviceHistory, EnergyEstimate
 from ..aggregate.live import device_order
 from ..errors import ConfigError
 from ..events import (
     EVENT_TYPES,
     DeviceInfo,
     Event,
-    GpuSample,
     Measurement,
-    ProcessSample,
-    RaplSample,
     RequestIdle,
     RequestMeasurement,
     StreamInfo,
@@ -85,9 +82,15 @@ from ..events import (
     event_to_dict,
     event_to_json,
 )
+from . import aipowermeter as aipm
+from .columns import LAYOUTS, SAMPLE_TYPES, SampleTable, load_columns
 from .format import RecordingHeader
 from .progress import PROGRESS_EVERY, Progress, ProgressTicker
 from .reader import RecordingReader, RecoveryReport, event_device
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import pyarrow as pa
 
 __all__ = [
     "AIPOWERMETER_METRICS",
@@ -112,69 +115,30 @@ _PathLike = str | os.PathLike[str]
 _ID_FIELDS: Final = frozenset({"host", "t_ns", "gpu", "package", "domain", "pid"})
 
 
-def _numeric_fields(cls: type[Any]) -> tuple[str, ...]:
-    """The int/float (optionally ``None``) fields of an event struct, in schema order."""
-    hints = typing.get_type_hints(cls)
-    out: list[str] = []
-    for name in cls.__struct_fields__:
-        if name in _ID_FIELDS:
-            continue
-        hint = hints[name]
-        args = set(typing.get_args(hint) or (hint,)) - {type(None)}
-        if args and args <= {int, float}:
-            out.append(name)
-    return tuple(out)
-
-
-# Event type -> (kind, ((field, metric), ...)) for the event kinds that form series.
+# Event type -> (kind, ((field, metric), ...)) for the event kinds that form series: every
+# int/float (optionally ``None``) field that does not identify the device, in schema order.
 _SPECS: Final[dict[type[Any], tuple[str, tuple[tuple[str, str], ...]]]] = {
-    cls: (tag, tuple((f, f"{tag}.{f}") for f in _numeric_fields(cls)))
-    for cls in (GpuSample, RaplSample, ProcessSample)
-    for tag in [str(cls.__struct_config__.tag)]
+    cls: (
+        tag,
+        tuple(
+            (f, f"{tag}.{f}")
+            for f, storage in LAYOUTS[tag]
+            if storage != "cat" and f not in _ID_FIELDS
+        ),
+    )
+    for cls, tag in SAMPLE_TYPES.items()
 }
 
 
-#: AIPowerMeter's metric names, accepted wherever a metric is (``total("per_process_cpu_power")``).
-AIPOWERMETER_METRICS: Final = {
-    "per_process_cpu_power": "proc.cpu_power_w",
-    "per_process_dram_power": "proc.dram_power_w",
-    "per_process_cpu_uses": "proc.cpu_share_frac",
-    "per_process_mem_use_abs": "proc.memory_pss_bytes",
-    "per_process_mem_use_uss": "proc.memory_uss_bytes",
-    "per_process_mem_use_percent": "proc.memory_frac",
-    "nvidia_attributable_power": "proc.attributed_power_w",
-    "per_gpu_attributable_power": "proc.attributed_power_w",
-    "per_gpu_per_pid_utilization_absolute": "proc.gpu_sm_frac",
-    "per_gpu_attributable_mem_use": "proc.gpu_memory_bytes",
-    "per_gpu_estimated_attributable_utilization": "proc.gpu_power_share_frac",
-    "per_gpu_power_draw": "gpu.power_w",
-    "nvidia_draw_absolute": "gpu.power_w",
-}
+#: Sample kind tag to its event type.
+_KIND_TYPES: Final = {tag: cls for cls, (tag, _) in _SPECS.items()}
+
+_MISSING_PANDAS = "DataFrames need pandas and pyarrow: pip install 'zeus_async[arrow]'"
 
 
-_T_NS: Final = operator.attrgetter("t_ns")
-_GETTERS: Final = {
-    name: operator.attrgetter(name) for _, fields in _SPECS.values() for name, _ in fields
-}
-
-
-def _series_key(event: GpuSample | RaplSample | ProcessSample) -> str:
-    if isinstance(event, GpuSample):
-        return f"gpu:{event.gpu}"
-    if isinstance(event, RaplSample):
-        return f"cpu:{event.package}/{event.domain}"
-    base = f"proc:{event.pid}"
-    return base if event.gpu is None else f"{base}/gpu:{event.gpu}"
-
-
-class _Column:
-    """One metric of one device: parallel arrays of time and value (compact in memory)."""
-
-    __slots__ = ("t", "v")
-
-    def __init__(self) -> None:
-        self.t: array[int] = array("q")
-        self.v: array[float] = array("d")
+#: AIPowerMeter's field names and the metric each reads (:mod:`zeus_async.store.aipowermeter`
+#: has their units and scopes), accepted wherever a metric is (``total("per_process_cpu_power")``).
+AIPOWERMETER_METRICS: Final = {name: f.metric for name, f in aipm.FIELDS.items()}
 
 
 @dataclass(frozen=True)
@@ -184,21 +148,21 @@ class Series:
     Attributes:
         metric: ``"<kind>.<field>"``.
         device: Device key.
-        t_ns: Time of each value (wall-clock ns).
-        values: The values (samples where the field was ``None`` are left out).
+        t_ns: Time of each value (wall-clock ns), an ``int64`` array.
+        values: The values, a ``float64`` array (samples where the field was ``None`` are left
+            out).
         start_ns: Start of the recording, the origin of :meth:`seconds`.
     """
 
     metric: str
     device: str
-    t_ns: list[int]
-    values: list[float]
+    t_ns: npt.NDArray[np.int64]
+    values: npt.NDArray[np.float64]
     start_ns: int
 
-    def seconds(self) -> list[float]:
+    def seconds(self) -> npt.NDArray[np.float64]:
         """Time of each value in seconds since the start of the recording."""
-        start = self.start_ns
-        return [(t - start) / 1e9 for t in self.t_ns]
+        return (self.t_ns - self.start_ns) / 1e9
 
     def __len__(self) -> int:
         return len(self.t_ns)
@@ -315,115 +279,17 @@ def _tag(event_type: type) -> str:
 
 
 @dataclass
-class _Loaded:
-    columns: dict[str, dict[str, _Column]] = field(default_factory=dict)
-    histories: dict[str, DeviceHistory] = field(default_factory=dict)
-    spans: dict[str, tuple[int, int]] = field(default_factory=dict)
-    windows: list[Measurement] = field(default_factory=list)
-    requests: list[RequestMeasurement] = field(default_factory=list)
-    request_idle: list[RequestIdle] = field(default_factory=list)
-    streams: dict[str, StreamInfo] = field(default_factory=dict)
-    hosts: list[str] = field(default_factory=list)
-    several_hosts: bool = False
-    start_ns: int | None = None
-    end_ns: int | None = None
-    types: collections.Counter[type] = field(default_factory=collections.Counter)
+class _Device:
+    """Where a device's rows are: its table and device code."""
 
+    table: SampleTable
+    code: int
+    rows: npt.NDArray[np.intp] | None = None
 
-def _load(reader: RecordingReader, progress: Progress | None) -> _Loaded:
-    """One pass over the file: columns, histories and spans per ``(host, key)``."""
-    columns: dict[tuple[str, str], dict[str, _Column]] = {}
-    histories: dict[tuple[str, str], DeviceHistory] = {}
-    spans: dict[tuple[str, str], list[int]] = {}
-    out = _Loaded()
-    t_min: int | None = None
-    t_max: int | None = None
-    ticker = ProgressTicker(reader, progress)
-    types = out.types
-    for batch in reader.batches():
-        types.update(map(type, batch))
-        # Group the frame's samples per device, then extend each column in one go (C-level
-        # map/extend instead of a Python step per value).
-        stamps = list(map(_T_NS, batch))
-        lo, hi = min(stamps), max(stamps)
-        t_min = lo if t_min is None else min(t_min, lo)
-        t_max = hi if t_max is None else max(t_max, hi)
-        groups: dict[tuple[str, str], list[Any]] = {}
-        for event in batch:
-            if type(event) in _SPECS:
-                sample = typing.cast("GpuSample | RaplSample | ProcessSample", event)
-                ident = (sample.host, _series_key(sample))
-                group = groups.get(ident)
-                if group is None:
-                    groups[ident] = [event]
-                else:
-                    group.append(event)
-            elif isinstance(event, Measurement):
-                out.windows.append(event)
-            elif isinstance(event, RequestMeasurement):
-                out.requests.append(event)
-            elif isinstance(event, RequestIdle):
-                out.request_idle.append(event)
-            elif isinstance(event, StreamInfo):
-                # Every stream's own description (a stream that joined a recording after its
-                # header was written is only here); the first one of each stream is kept.
-                out.streams.setdefault(event.stream_id, event)
-        for ident, group in groups.items():
-            spec = _SPECS[type(group[0])]
-            ts = list(map(_T_NS, group))
-            span = spans.get(ident)
-            if span is None:
-                spans[ident] = [min(ts), max(ts)]
-            else:
-                span[0] = min(span[0], *ts)
-                span[1] = max(span[1], *ts)
-            metrics = columns.setdefault(ident, {})
-            for name, metric in spec[1]:
-                values = list(map(_GETTERS[name], group))
-                if None in values:
-                    kept = [(t, v) for t, v in zip(ts, values, strict=True) if v is not None]
-                    if not kept:
-                        continue
-                    col_t: Iterable[int] = (t for t, _ in kept)
-                    col_v: Iterable[float] = (v for _, v in kept)
-                else:
-                    col_t, col_v = ts, values
-                column = metrics.get(metric)
-                if column is None:
-                    column = metrics[metric] = _Column()
-                column.t.extend(col_t)
-                column.v.extend(col_v)
-            if not isinstance(group[0], ProcessSample):
-                history = histories.get(ident)
-                if history is None:
-                    fine = isinstance(group[0], RaplSample)
-                    history = histories[ident] = DeviceHistory(ident[1], fine_counter=fine)
-                for event in group:
-                    add_sample(history, event)
-        ticker.tick()
-    ticker.finish()
-    out.hosts = list(
-        dict.fromkeys([info.host for info in out.streams.values()] + [h for h, _ in columns])
-    )
-    several_hosts = out.several_hosts = len(out.hosts) > 1
-
-    def label(ident: tuple[str, str]) -> str:
-        return f"{ident[1]}@{ident[0]}" if several_hosts else ident[1]
-
-    for ident in sorted(columns, key=lambda i: device_order(label(i))):
-        key = label(ident)
-        out.columns[key] = columns[ident]
-        out.spans[key] = (spans[ident][0], spans[ident][1])
-        history = histories.get(ident)
-        if history is not None and history.first_t_ns is not None:
-            # A device's span is that of the samples its estimator took (not a duplicate or
-            # an out-of-order one, nor one with neither power nor energy): the span of its
-            # monitor/replay total.
-            assert history.last_t_ns is not None
-            out.histories[key] = history
-            out.spans[key] = (history.first_t_ns, history.last_t_ns)
-    out.start_ns, out.end_ns = t_min, t_max
-    return out
+    def take(self) -> npt.NDArray[np.intp]:
+        if self.rows is None:
+            self.rows = self.table.rows(self.code)
+        return self.rows
 
 
 def _energy_field(metric: str) -> bool:
@@ -458,29 +324,44 @@ class Recording:
         reader = RecordingReader(path)
         self.path = reader.path
         self.header: RecordingHeader = reader.header
-        loaded = _load(reader, progress)
+        loaded = load_columns(reader, progress)
         self.report: RecoveryReport = reader.report
-        self._columns = loaded.columns
-        self._histories = loaded.histories
-        self._spans = loaded.spans
-        self._windows = loaded.windows
-        self._requests = loaded.requests
-        self._request_idle = loaded.request_idle
-        counts = {_tag(t): n for t, n in loaded.types.items()}
-        self._kinds = dict(sorted(counts.items()))
-        self._streams = loaded.streams
-        self._hosts = loaded.hosts
-        self._several_hosts = loaded.several_hosts
-        self.start_ns: int = (
-            loaded.start_ns if loaded.start_ns is not None else self.header.start_wall_ns
+        self._tables = loaded.tables
+        self._others = loaded.others
+        self._kinds = loaded.counts
+        self._windows = [e for e in loaded.others if isinstance(e, Measurement)]
+        self._requests = [e for e in loaded.others if isinstance(e, RequestMeasurement)]
+        self._request_idle = [e for e in loaded.others if isinstance(e, RequestIdle)]
+        self._streams: dict[str, StreamInfo] = {}
+        for event in loaded.others:
+            if isinstance(event, StreamInfo):
+                # Every stream's own description (a stream that joined a recording after its
+                # header was written is only here); the first one of each stream is kept.
+                self._streams.setdefault(event.stream_id, event)
+        self._hosts = list(
+            dict.fromkeys([info.host for info in self._streams.values()] + loaded.hosts)
         )
-        self.end_ns: int = loaded.end_ns if loaded.end_ns is not None else self.start_ns
+        self._several_hosts = len(self._hosts) > 1
+        where = [
+            (key, _Device(table, code))
+            for table in loaded.tables.values()
+            for code, key in enumerate(table.devices)
+        ]
+        self._where: dict[str, _Device] = dict(sorted(where, key=lambda kv: device_order(kv[0])))
+        self._present: dict[str, list[str]] = {}
+        self._histories: dict[str, DeviceHistory] = {}
+        self._history_keys = [k for k in self._where if self._has_history(k)]
+        stamps = [int(t.columns["t_ns"].min()) for t in loaded.tables.values()]
+        stamps += [int(t.columns["t_ns"].max()) for t in loaded.tables.values()]
+        stamps += [e.t_ns for e in loaded.others]
+        self.start_ns: int = min(stamps) if stamps else self.header.start_wall_ns
+        self.end_ns: int = max(stamps) if stamps else self.start_ns
         self.report.warn(self.path, "analyzed")
         logger.info(
             "loaded %s: %d events, %d devices, %.3f s%s",
             self.path,
             self.report.events_ok,
-            len(self._columns),
+            len(self._where),
             self.duration_s,
             "" if self.report.clean else " (damaged file, recovered)",
         )
@@ -525,15 +406,158 @@ class Recording:
         """Seconds from the first to the last event."""
         return (self.end_ns - self.start_ns) / 1e9
 
+    def get_duration(self) -> tuple[float, datetime.datetime, datetime.datetime]:
+        """``(seconds, start, end)`` of the recording, start and end as UTC datetimes (the
+        form of AIPowerMeter's ``get_duration()``)."""
+        utc = datetime.timezone.utc
+
+        def when(t_ns: int) -> datetime.datetime:
+            return datetime.datetime.fromtimestamp(t_ns // 10**9, utc) + datetime.timedelta(
+                microseconds=(t_ns % 10**9) // 1000
+            )
+
+        return self.duration_s, when(self.start_ns), when(self.end_ns)
+
+    def __str__(self) -> str:
+        """What the recording holds: duration with start and end, devices, then the metrics
+        available, AIPowerMeter's names grouped as it groups them (CPU, GPU, Experiments)."""
+        seconds, start, end = self.get_duration()
+        lines = [
+            f"Recording {self.path}: {seconds:.3f} s, "
+            f"{start.isoformat(timespec='milliseconds')} to "
+            f"{end.isoformat(timespec='milliseconds')}",
+            f"Hosts: {', '.join(self.hosts) or '-'}",
+            f"Devices: {', '.join(self.devices()) or '-'}",
+            "Available metrics :",
+        ]
+        names = self.aipowermeter_metrics()
+        for group in aipm.GROUPS:
+            lines.append(group)
+            lines.append(
+                "  " + (",".join(n for n in names if aipm.FIELDS[n].group == group) or "-")
+            )
+        lines.append("zeus_async")
+        lines.append("  " + (",".join(self.metrics()) or "-"))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<Recording {self.path} {self.duration_s:.3f} s, {len(self._where)} devices>"
+
+    # -- arrays --------------------------------------------------------------------------------
+
+    def _column(self, key: str, name: str) -> npt.NDArray[Any]:
+        """Field ``name`` of every row of device ``key`` (NaN where it was ``None``)."""
+        where = self._where[key]
+        return where.table.columns[name][where.take()]
+
+    def _values(
+        self, key: str, metric: str
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
+        """Times and values of ``metric`` for ``key``, samples without a value left out."""
+        name = metric.rpartition(".")[2]
+        t, v = self._column(key, "t_ns"), self._column(key, name).astype(np.float64, copy=False)
+        known = ~np.isnan(v)
+        return (t, v) if known.all() else (t[known], v[known])
+
+    def _metrics_of(self, key: str) -> list[str]:
+        """Metrics with at least one value for ``key``, in schema order."""
+        present = self._present.get(key)
+        if present is None:
+            where = self._where[key]
+            kind = where.table.kind
+            rows = where.take()
+            present = self._present[key] = [
+                metric
+                for name, metric in _SPECS[_KIND_TYPES[kind]][1]
+                if not np.isnan(where.table.columns[name][rows]).all()
+            ]
+        return present
+
+    def _has_history(self, key: str) -> bool:
+        kind = self._where[key].table.kind
+        if kind == "rapl":
+            return True
+        return kind == "gpu" and bool({"gpu.power_w", "gpu.energy_j"} & set(self._metrics_of(key)))
+
+    def _history(self, key: str) -> DeviceHistory:
+        """The estimator of a GPU or RAPL domain, fed every sample of the device (built once,
+        on first use, from the arrays: :meth:`DeviceHistory.from_arrays`)."""
+        history = self._histories.get(key)
+        if history is None:
+            t = self._column(key, "t_ns")
+            if self._where[key].table.kind == "gpu":
+                history = DeviceHistory.from_arrays(
+                    key, t, self._column(key, "power_w"), self._column(key, "energy_j")
+                )
+            else:
+                history = DeviceHistory.from_arrays(
+                    key, t, None, self._column(key, "energy_j"), fine_counter=True
+                )
+            self._histories[key] = history
+        return history
+
+    def _span(self, key: str) -> tuple[int, int]:
+        """First and last sample of a device: of those its estimator took (not a duplicate or
+        an out-of-order one, nor one with neither power nor energy) when it has one, the span
+        of its monitor/replay total; else of all its samples."""
+        if key in self._history_keys:
+            history = self._history(key)
+            if history.first_t_ns is not None:
+                assert history.last_t_ns is not None
+                return history.first_t_ns, history.last_t_ns
+        t = self._column(key, "t_ns")
+        return int(t.min()), int(t.max())
+
+    def tables(self) -> dict[str, SampleTable]:
+        """The samples as arrays, one :class:`~zeus_async.store.columns.SampleTable` per kind
+        (``"gpu"``, ``"rapl"``, ``"proc"``): one numpy array per field (see
+        :mod:`zeus_async.store.columns`). They are the recording's own arrays: do not modify."""
+        return dict(self._tables)
+
+    def to_arrow(self) -> dict[str, pa.Table]:
+        """Every event kind of the recording as an Arrow table, by tag (``"gpu"``,
+        ``"rapl"``, ``"proc"``, ``"measurement"``, ...): typed columns, a ``time`` column (UTC
+        timestamp), ``host``/``device`` dictionary-encoded, nulls where an event had ``None``
+        (:func:`~zeus_async.store.columns.to_arrow`).
+
+        Raises:
+            ConfigError: pyarrow is not installed (``pip install 'zeus_async[arrow]'``).
+        """
+        from .columns import ColumnarLoad, to_arrow
+
+        return to_arrow(ColumnarLoad(self._tables, self._others, self._hosts, self._kinds))
+
+    def to_pandas(self) -> dict[str, pd.DataFrame]:
+        """:meth:`to_arrow` as pandas DataFrames (``host``/``device``/``domain`` categorical,
+        ``time`` a ``datetime64[ns, UTC]`` column, optional integers as nullable ``Int64``).
+
+        Raises:
+            ConfigError: pyarrow or pandas is not installed.
+        """
+        try:
+            import pandas as pd
+        except ImportError as exc:
+            raise ConfigError(_MISSING_PANDAS) from exc
+        import pyarrow
+
+        nullable_ints = {pyarrow.int64(): pd.Int64Dtype()}
+        return {
+            kind: table.to_pandas(types_mapper=nullable_ints.get)
+            for kind, table in self.to_arrow().items()
+        }
+
     # -- names ---------------------------------------------------------------------------------
 
     def devices(self, metric: str | None = None) -> list[str]:
         """Device keys with data (GPUs, then RAPL domains, then processes), optionally only
         those with values of ``metric``."""
         if metric is None:
-            return list(self._columns)
+            return list(self._where)
+        field = aipm.FIELDS.get(metric)
+        if field is not None:
+            return self._aipm_devices(field)
         metric = self._check_metric(metric)
-        return [d for d, cols in self._columns.items() if metric in cols]
+        return [d for d in self._where if metric in self._metrics_of(d)]
 
     def requests(self) -> list[RequestMeasurement]:
         """The inference requests the recording holds (``request`` events, in order)."""
@@ -561,10 +585,78 @@ class Recording:
     def metrics(self, device: str | None = None) -> list[str]:
         """Metrics with at least one value (of ``device``, if given), in schema order."""
         if device is None:
-            present = {m for cols in self._columns.values() for m in cols}
+            present = {m for key in self._where for m in self._metrics_of(key)}
         else:
-            present = set(self._columns[self._resolve(device)])
+            present = set(self._metrics_of(self._resolve(device)))
         return [m for _, fields in _SPECS.values() for _, m in fields if m in present]
+
+    def aipowermeter_metrics(self) -> list[str]:
+        """AIPowerMeter's names with data in this recording (:mod:`~zeus_async.store.
+        aipowermeter`), in its order."""
+        return [name for name, f in aipm.FIELDS.items() if self._aipm_devices(f, strict=False)]
+
+    def _rapl_domains(self, device: str) -> list[str]:
+        """The RAPL domains of the package (and host) of a ``cpu:P/domain`` key."""
+        base, _, host = device.partition("@")
+        package = base.rpartition("/")[0]
+        return [
+            k.split("@")[0].rpartition("/")[2]
+            for k in self._where
+            if k.split("@")[0].startswith(package + "/") and k.partition("@")[2] == host
+        ]
+
+    def _aipm_devices(self, field: aipm.AipmField, *, strict: bool = True) -> list[str]:
+        """The devices with values of ``field``'s metric that it covers."""
+        if field.metric not in self.metrics():
+            if not strict:
+                return []
+            raise ConfigError(
+                f"{field.name!r} ({field.description}) reads {field.metric}, which "
+                f"{self.path} does not hold"
+                + (" (record with process tracking)" if field.metric.startswith("proc.") else "")
+            )
+        keys = [k for k in self.devices(field.metric) if aipm.covers(field, k, self._rapl_domains)]
+        if strict and not keys:
+            raise ConfigError(
+                f"{field.name!r} ({field.description}) covers no device of {self.path}"
+            )
+        return keys
+
+    def _aipm_series(self, field: aipm.AipmField, device: str | None) -> Series:
+        keys = self._aipm_devices(field)
+        if field.scope == "all":
+            if device not in (None, "all"):
+                raise ConfigError(
+                    f"{field.name!r} is one series over every device it covers; "
+                    f"call series({field.name!r}) without a device"
+                )
+            t, v = aipm.combine([self._values(k, field.metric) for k in keys])
+            return Series(field.name, "all", t, v * field.scale, self.start_ns)
+        if field.scope == "per-gpu":
+            groups = self._per_gpu(keys)
+            key = self._pick(field.name, device, list(groups))
+            t, v = aipm.combine([self._values(k, field.metric) for k in groups[key]])
+            return Series(field.name, key, t, v * field.scale, self.start_ns)
+        key = self._pick(field.name, device, keys)
+        t, v = self._values(key, field.metric)
+        return Series(field.name, key, t, v * field.scale, self.start_ns)
+
+    @staticmethod
+    def _per_gpu(keys: list[str]) -> dict[str, list[str]]:
+        """``proc:P/gpu:N[@host]`` keys grouped by their ``gpu:N[@host]``."""
+        groups: dict[str, list[str]] = {}
+        for k in keys:
+            base, _, host = k.partition("@")
+            gpu = base.partition("/")[2] + (f"@{host}" if host else "")
+            groups.setdefault(gpu, []).append(k)
+        return groups
+
+    def _pick(self, name: str, device: str | None, keys: list[str]) -> str:
+        if device is None:
+            if len(keys) == 1:
+                return keys[0]
+            raise ConfigError(f"{name!r} has a series per device; pass one of: {', '.join(keys)}")
+        return self._resolve(device, keys)
 
     def _check_metric(self, metric: str) -> str:
         """``metric`` (an AIPowerMeter name mapped to ours) if present, else ConfigError."""
@@ -577,7 +669,7 @@ class Recording:
         return metric
 
     def _resolve(self, device: str, within: Collection[str] | None = None) -> str:
-        keys = self._columns if within is None else within
+        keys = self._where if within is None else within
         if device in keys:
             return device
         if f"{device}/package" in keys:
@@ -588,16 +680,30 @@ class Recording:
 
     # -- data ----------------------------------------------------------------------------------
 
-    def series(self, metric: str, device: str) -> Series:
+    def series(self, metric: str, device: str | None = None) -> Series:
         """The values of ``metric`` for ``device``.
+
+        ``metric`` may be one of AIPowerMeter's names (:mod:`~zeus_async.store.aipowermeter`):
+        its values are then in AIPowerMeter's units (percent where it gives percent), and an
+        experiment-wide name (``nvidia_draw_absolute``, ``intel_power``) is one series over
+        every device it covers, with ``device`` ``"all"``.
+
+        Args:
+            metric: The metric.
+            device: The device; may be left out when only one device has the metric.
 
         Raises:
             ConfigError: Unknown metric, or a device without values of it.
         """
+        field = aipm.FIELDS.get(metric)
+        if field is not None:
+            return self._aipm_series(field, device)
         metric = self._check_metric(metric)
+        if device is None:
+            device = self._pick(metric, None, self.devices(metric))
         key = self._resolve(device, self.devices(metric))
-        column = self._columns[key][metric]
-        return Series(metric, key, column.t.tolist(), column.v.tolist(), self.start_ns)
+        t, v = self._values(key, metric)
+        return Series(metric, key, t, v, self.start_ns)
 
     def windows(self) -> list[Measurement]:
         """The :class:`~zeus_async.events.Measurement` events recorded, in file order."""
@@ -625,10 +731,10 @@ class Recording:
             ConfigError: Not a GPU or RAPL device of this recording, ``t1_ns < t0_ns``, or an
                 interval entirely outside the device's samples.
         """
-        key = self._resolve(device, self._histories)
+        key = self._resolve(device, self._history_keys)
         if t0_ns is None and t1_ns is None:
-            return self._histories[key].span_energy()
-        first, last = self._spans[key]
+            return self._history(key).span_energy()
+        first, last = self._span(key)
         t0 = first if t0_ns is None else t0_ns
         t1 = last if t1_ns is None else t1_ns
         if t1 < t0:
@@ -639,16 +745,16 @@ class Recording:
                 f"([{first}, {last}], {(last - first) / 1e9:.3f} s): energy there is unknown"
             )
         if t0 >= first and t1 <= last:
-            return self._histories[key].energy(t0, t1)
-        estimate = self._histories[key].energy(max(t0, first), min(t1, last))
+            return self._history(key).energy(t0, t1)
+        estimate = self._history(key).energy(max(t0, first), min(t1, last))
         return EnergyEstimate(estimate.energy_j, f"{estimate.method}, clamped")
 
     def totals(self) -> Totals:
         """Energy, mean power and duration of every GPU and RAPL domain over its span in the
         recording, and the experiment's GPU, CPU (``package``), DRAM and overall sums."""
         devices: dict[str, DeviceTotal] = {}
-        for key in self._histories:
-            first, last = self._spans[key]
+        for key in self._history_keys:
+            first, last = self._span(key)
             estimate = self.energy(key)
             duration = (last - first) / 1e9
             mean = (
@@ -697,14 +803,14 @@ class Recording:
 
     def _counter_span(self, key: str, metric: str) -> tuple[float, int, int] | None:
         """(last - first value, first t, last t) of a running-total column, if any."""
-        column = self._columns.get(key, {}).get(metric)
-        if column is None or not len(column.t):
+        if metric not in self._metrics_of(key):
             return None
-        return column.v[-1] - column.v[0], column.t[0], column.t[-1]
+        t, v = self._values(key, metric)
+        return float(v[-1] - v[0]), int(t[0]), int(t[-1])
 
     def _process_totals(self) -> dict[str, ProcessTotal]:
         found: dict[str, dict[str, Any]] = {}
-        for key in self._columns:
+        for key in self._where:
             if not key.startswith("proc:"):
                 continue
             base, _, host = key.partition("@")
@@ -725,9 +831,9 @@ class Recording:
                     if got is not None:
                         entry[slot] = got[0]
                         spans.append(got)
-            for column in self._columns[key].values():
-                if len(column.t):
-                    spans.append((0.0, column.t[0], column.t[-1]))
+            for metric in self._metrics_of(key):
+                t, _ = self._values(key, metric)
+                spans.append((0.0, int(t[0]), int(t[-1])))
             for _, t0, t1 in spans:
                 entry["t0"] = t0 if entry["t0"] is None else min(entry["t0"], t0)
                 entry["t1"] = t1 if entry["t1"] is None else max(entry["t1"], t1)
@@ -766,6 +872,9 @@ class Recording:
         Raises:
             ConfigError: Unknown metric or device, or a metric that is neither energy nor power.
         """
+        field = aipm.FIELDS.get(metric)
+        if field is not None:
+            return self._aipm_total(field, device)
         metric = self._check_metric(metric)
         if not (_energy_field(metric) or _power_field(metric)):
             raise ConfigError(
@@ -786,7 +895,7 @@ class Recording:
             keys = with_metric
         joules = 0.0
         for key in keys:
-            if _energy_field(metric) and key in self._histories:
+            if _energy_field(metric) and key in self._history_keys:
                 estimate = self.energy(key)
             else:
                 estimate = self._integrate(key, metric)
@@ -794,14 +903,37 @@ class Recording:
                 joules += estimate.energy_j
         return joules
 
+    def _aipm_total(self, field: aipm.AipmField, device: str | None) -> float:
+        """Joules of an AIPowerMeter power name: each covered RAPL domain from its counter,
+        other devices' power integrated, summed."""
+        if field.unit != "W":
+            raise ConfigError(
+                f"total() needs a power name; {field.name!r} is in {field.unit} "
+                f"({field.description}): use series()"
+            )
+        keys = self._aipm_devices(field)
+        if device is not None and device != "all":
+            if field.scope == "all":
+                raise ConfigError(f"{field.name!r} covers every device; call it without one")
+            keys = [self._resolve(device, keys)]
+        joules = 0.0
+        for key in keys:
+            if key.startswith("cpu:"):
+                estimate = self.energy(key)
+            else:
+                estimate = self._integrate(key, field.metric)
+            if estimate.energy_j is not None:
+                joules += estimate.energy_j
+        return joules
+
     def _integrate(self, key: str, metric: str) -> EnergyEstimate:
         """A series through a fresh :class:`DeviceHistory`: power integrated, or a counter."""
-        column = self._columns[key][metric]
-        history = DeviceHistory(f"{key} {metric}", fine_counter=True)
+        t, v = self._values(key, metric)
         counter = _energy_field(metric)
-        for t, v in zip(column.t, column.v, strict=True):
-            history.add(t, None if counter else v, v if counter else None)
-        return history.energy(column.t[0], column.t[-1])
+        history = DeviceHistory.from_arrays(
+            f"{key} {metric}", t, None if counter else v, v if counter else None, fine_counter=True
+        )
+        return history.energy(int(t[0]), int(t[-1]))
 
 
 # -- export ------------------------------------------------------------------------------------

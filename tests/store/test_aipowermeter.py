@@ -1,0 +1,195 @@
+"""AIPowerMeter's recorded fields (seed 002) by their own names, in their own units."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from zeus_async.errors import ConfigError
+from zeus_async.events import Event, GpuSample, ProcessSample, RaplSample
+from zeus_async.store import write_recording
+from zeus_async.store.aipowermeter import FIELDS
+from zeus_async.store.analysis import Recording
+
+T0 = 1_700_000_000 * 10**9
+S = 10**9
+H = "node1"
+
+#: Every field name AIPowerMeter's documentation lists as recorded (seed 002).
+SEED_NAMES = [
+    "per_process_mem_use_abs",
+    "per_process_cpu_uses",
+    "per_process_mem_use_percent",
+    "intel_power",
+    "psys_power",
+    "uncore_power",
+    "per_process_cpu_power",
+    "total_cpu_power",
+    "per_process_mem_use_uss",
+    "nvidia_draw_absolute",
+    "nvidia_attributable_power",
+    "nvidia_mem_use",
+    "nvidia_sm_use",
+    "per_gpu_power_draw",
+    "per_gpu_attributable_power",
+    "per_gpu_estimated_attributable_utilization",
+    "cpu_uses",
+    "mem_use_abs",
+    "mem_use_percent",
+    "per_process_dram_power",
+    "per_gpu_attributable_mem_use",
+    "per_gpu_per_pid_utilization_absolute",
+    "per_gpu_absolute_percent_usage",
+    "rel_intel_power",
+]
+
+
+def events() -> list[Event]:
+    out: list[Event] = []
+    energy = {"psys": 0.0, "uncore": 0.0, "core": 0.0, "package": 0.0, "dram": 0.0}
+    watts = {"psys": 40.0, "uncore": 5.0, "core": 20.0, "package": 30.0, "dram": 4.0}
+    for k in range(11):
+        t = T0 + k * S
+        for g in range(2):
+            out.append(GpuSample(H, t + g, g, power_w=100.0 * (g + 1) + k, utilization_frac=0.5))
+        for domain, w in watts.items():
+            if k:
+                energy[domain] += w
+            out.append(RaplSample(H, t + 5, 0, domain, energy[domain], w if k else None))
+        out.append(
+            ProcessSample(
+                H,
+                t + 7,
+                42,
+                cpu_frac=0.125,
+                memory_rss_bytes=2000,
+                memory_pss_bytes=1000,
+                memory_uss_bytes=500,
+                memory_frac=0.25,
+                cpu_share_frac=0.75,
+                cpu_power_w=15.0,
+                dram_power_w=1.0,
+            )
+        )
+        for g in range(2):
+            out.append(
+                ProcessSample(
+                    H,
+                    t + 7,
+                    42,
+                    gpu=g,
+                    gpu_sm_frac=0.4,
+                    gpu_memory_bytes=10**9,
+                    attributed_power_w=50.0,
+                    gpu_power_share_frac=0.8,
+                )
+            )
+    return out
+
+
+@pytest.fixture
+def rec(tmp_path: Path) -> Recording:
+    path = tmp_path / "aipm.zarc"
+    write_recording(path, events())
+    return Recording(path)
+
+
+def test_every_seed_name_is_accepted(rec: Recording) -> None:
+    assert sorted(SEED_NAMES) == sorted(FIELDS)
+    assert rec.aipowermeter_metrics() == list(FIELDS)
+    for name in SEED_NAMES:
+        devices = rec.devices(name)
+        assert devices, name
+        scope = FIELDS[name].scope
+        if scope == "all":
+            series = rec.series(name)
+            assert series.device == "all"
+        elif scope == "per-gpu":
+            series = rec.series(name, "gpu:1")
+        else:
+            series = rec.series(name, devices[-1])
+        assert series.metric == name and len(series) > 0, name
+
+
+def test_percent_where_the_seed_says_percent(rec: Recording) -> None:
+    assert set(rec.series("per_process_cpu_uses", "proc:42").values) == {75.0}
+    assert set(rec.series("per_process_mem_use_percent", "proc:42").values) == {25.0}
+    assert set(rec.series("mem_use_percent", "proc:42").values) == {25.0}
+    assert set(rec.series("cpu_uses", "proc:42").values) == {12.5}
+    assert set(rec.series("per_gpu_per_pid_utilization_absolute", "proc:42/gpu:1").values) == {40.0}
+    assert set(rec.series("per_gpu_absolute_percent_usage", "gpu:0").values) == {40.0}
+    assert set(rec.series("nvidia_sm_use").values) == {80.0}  # 40 % on each of two GPUs
+    # bytes stay bytes, fractions the seed calls relative stay fractions
+    assert set(rec.series("per_process_mem_use_abs", "proc:42").values) == {1000.0}
+    assert set(rec.series("mem_use_abs", "proc:42").values) == {2000.0}
+    assert set(rec.series("nvidia_mem_use").values) == {2e9}
+    share = rec.series("per_gpu_estimated_attributable_utilization", "proc:42/gpu:0")
+    assert set(share.values) == {0.8}
+
+
+def test_intel_power_is_psys_plus_uncore_plus_core(rec: Recording) -> None:
+    intel = rec.series("intel_power")
+    parts = [rec.series(n) for n in ("psys_power", "uncore_power", "total_cpu_power")]
+    assert all(np.array_equal(p.t_ns, intel.t_ns) for p in parts)
+    assert np.array_equal(intel.values, sum(p.values for p in parts))
+    assert set(intel.values) == {65.0}  # 40 + 5 + 20 (core, not package)
+    assert set(rec.series("total_cpu_power").values) == {20.0}
+    # joules from the RAPL counters: 10 s at 65 W
+    assert rec.total("intel_power") == pytest.approx(650.0)
+    assert rec.total("rel_intel_power") == pytest.approx(150.0)  # 15 W for 10 s
+
+
+def test_total_cpu_power_falls_back_to_package(tmp_path: Path) -> None:
+    path = tmp_path / "server.zarc"
+    only = [e for e in events() if not (isinstance(e, RaplSample) and e.domain != "package")]
+    write_recording(path, only)
+    rec = Recording(path)
+    assert set(rec.series("intel_power").values) == {30.0}
+    assert rec.aipowermeter_metrics().count("psys_power") == 0
+    with pytest.raises(ConfigError, match="covers no device"):
+        rec.series("psys_power")
+
+
+def test_nvidia_draw_absolute_is_an_all_gpu_series(rec: Recording) -> None:
+    series = rec.series("nvidia_draw_absolute")
+    gpu0, gpu1 = rec.series("gpu.power_w", "gpu:0"), rec.series("gpu.power_w", "gpu:1")
+    # one value per instant either GPU was read; each GPU interpolated there
+    assert len(series) == len(gpu0) + len(gpu1)
+    at = {t: v for t, v in zip(series.t_ns.tolist(), series.values.tolist(), strict=True)}
+    for k in range(1, 11):
+        t = T0 + k * S
+        assert at[t] == pytest.approx(gpu0.values[k] + gpu1.values[k - 1] + (1.0 - 1e-9) * 1.0)
+    assert series.values[0] == 100.0  # at T0 only gpu:0 has started
+    assert rec.total("nvidia_draw_absolute") == pytest.approx(rec.total("gpu.power_w"))
+    assert rec.total("per_gpu_power_draw", "gpu:1") == pytest.approx(10 * 205.0)
+
+
+def test_print_and_duration(rec: Recording) -> None:
+    text = str(rec)
+    lines = text.splitlines()
+    assert "Available metrics :" in lines
+    cpu, gpu, exp = lines.index("CPU"), lines.index("GPU"), lines.index("Experiments")
+    assert "per_process_cpu_uses" in lines[cpu + 1] and "intel_power" in lines[cpu + 1]
+    assert "per_gpu_power_draw" in lines[gpu + 1]
+    assert "nvidia_draw_absolute" in lines[exp + 1] and "rel_intel_power" in lines[exp + 1]
+    d, start, end = rec.get_duration()
+    assert d == rec.duration_s
+    assert start == datetime.datetime(2023, 11, 14, 22, 13, 20, tzinfo=datetime.timezone.utc)
+    assert (end - start).total_seconds() == pytest.approx(d, abs=1e-6)
+    assert start.isoformat(timespec="milliseconds") in lines[0]
+
+
+def test_errors_name_what_is_missing(rec: Recording, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="pass one of: proc:42/gpu:0, proc:42/gpu:1"):
+        rec.series("per_gpu_attributable_power")
+    with pytest.raises(ConfigError, match="without a device"):
+        rec.series("nvidia_draw_absolute", "gpu:0")
+    with pytest.raises(ConfigError, match="use series"):
+        rec.total("per_process_cpu_uses")
+    path = tmp_path / "gpus.zarc"
+    write_recording(path, [e for e in events() if isinstance(e, GpuSample)])
+    with pytest.raises(ConfigError, match="process tracking"):
+        Recording(path).series("per_process_cpu_power")

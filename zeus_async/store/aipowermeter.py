@@ -1,0 +1,200 @@
+"""AIPowerMeter's recorded fields, by their own names and in their own units.
+
+AIPowerMeter (``deep_learning_power_measure``) records, per experiment, CPU and GPU use and
+power under names such as ``per_process_cpu_uses`` or ``nvidia_draw_absolute``. Each of those
+names is accepted wherever :class:`~zeus_async.store.Recording` takes a metric
+(:meth:`~zeus_async.store.Recording.series`, :meth:`~zeus_async.store.Recording.total`) and
+maps to the recorded field that measures the same thing (:data:`FIELDS`):
+
+* **units as AIPowerMeter gives them**: where its definition says *percent* the values are
+  percent (``per_process_cpu_uses``: our ``proc.cpu_share_frac`` x 100), powers in W, memory in
+  bytes;
+* **per device** names (``per_gpu_power_draw``, ``per_process_cpu_power``, ...) are series of one
+  device, as our metrics are (``series("per_gpu_power_draw", "gpu:0")``);
+* **experiment** names are one series over every device they cover (``device`` ``"all"``): the
+  sum, at every instant any of those devices was sampled, of each device's value linearly
+  interpolated there (0 outside a device's own samples: a process that has not started draws
+  nothing). ``nvidia_draw_absolute`` is the all-GPU power; ``nvidia_attributable_power`` the
+  power attributed to the tracked processes on every GPU; ``rel_intel_power`` the experiment's
+  share of the CPU power (its processes' ``cpu_power_w``);
+* ``intel_power`` is derived as AIPowerMeter defines it, **psys + uncore + total_cpu**, where
+  ``total_cpu_power`` is the RAPL ``core`` domain (the ``package`` domain on CPUs that report
+  no ``core``); domains a CPU does not report are left out, as AIPowerMeter leaves them out.
+  The relation holds sample for sample (``tests/store/test_aipowermeter.py``).
+
+``total(name)`` of a power name is the energy in joules over the recording (a RAPL domain's
+from its energy counter; other powers integrated over time), summed over the devices the name
+covers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["FIELDS", "GROUPS", "AipmField", "combine", "is_aipowermeter"]
+
+#: How a name covers devices: one device at a time, every device summed, or per GPU the
+#: processes on it summed.
+Scope = Literal["device", "all", "per-gpu"]
+
+
+@dataclass(frozen=True)
+class AipmField:
+    """One AIPowerMeter field.
+
+    Attributes:
+        name: AIPowerMeter's name.
+        metric: Our recorded metric it reads.
+        group: ``CPU``, ``GPU`` or ``Experiments`` (the groups ``print(recording)`` lists).
+        scope: ``"device"`` (a series per device), ``"all"`` (summed over devices) or
+            ``"per-gpu"`` (a series per GPU ``gpu:N``: its processes summed).
+        scale: Factor to AIPowerMeter's unit (100 for a fraction given as percent).
+        unit: The unit of the values.
+        devices: Which devices of ``metric`` it covers: ``"proc-host"`` (processes, host side),
+            ``"proc-gpu"`` (processes on a GPU), ``"gpu"``, or RAPL domains (``"rapl:core"``).
+        description: What it measures.
+    """
+
+    name: str
+    metric: str
+    group: str
+    scope: Scope
+    scale: float
+    unit: str
+    devices: tuple[str, ...]
+    description: str
+
+
+def _f(
+    name: str,
+    metric: str,
+    group: str,
+    scope: Scope,
+    unit: str,
+    devices: tuple[str, ...],
+    description: str,
+    scale: float = 1.0,
+) -> AipmField:
+    return AipmField(name, metric, group, scope, scale, unit, devices, description)
+
+
+_PH, _PG = ("proc-host",), ("proc-gpu",)
+#: RAPL domains making up ``intel_power`` (AIPowerMeter: psys + uncore + total_cpu).
+INTEL_DOMAINS: Final = ("rapl:psys", "rapl:uncore", "rapl:core|package")
+
+#: Every recorded field of AIPowerMeter, by its name.
+FIELDS: Final[dict[str, AipmField]] = {
+    f.name: f
+    for f in (
+        # -- CPU use, per process
+        _f("per_process_mem_use_abs", "proc.memory_pss_bytes", "CPU", "device", "B", _PH,
+           "RAM (PSS) of each process"),
+        _f("per_process_mem_use_percent", "proc.memory_frac", "CPU", "device", "%", _PH,
+           "RAM (PSS) of each process, percent of physical memory", 100.0),
+        _f("per_process_mem_use_uss", "proc.memory_uss_bytes", "CPU", "device", "B", _PH,
+           "RAM (USS) of each process"),
+        _f("per_process_cpu_uses", "proc.cpu_share_frac", "CPU", "device", "%", _PH,
+           "CPU use of each process, percent of the CPU time used on the machine", 100.0),
+        _f("cpu_uses", "proc.cpu_frac", "CPU", "device", "%", _PH,
+           "CPU clock used by each process, percent of the machine", 100.0),
+        _f("mem_use_abs", "proc.memory_rss_bytes", "CPU", "device", "B", _PH,
+           "RAM (RSS) of each process"),
+        _f("mem_use_percent", "proc.memory_frac", "CPU", "device", "%", _PH,
+           "RAM (PSS) of each process, percent of physical memory", 100.0),
+        _f("per_process_cpu_power", "proc.cpu_power_w", "CPU", "device", "W", _PH,
+           "CPU power attributed to each process"),
+        _f("per_process_dram_power", "proc.dram_power_w", "CPU", "device", "W", _PH,
+           "DRAM power attributed to each process"),
+        # -- CPU power (RAPL)
+        _f("intel_power", "rapl.power_w", "CPU", "all", "W", INTEL_DOMAINS,
+           "RAPL total: psys + uncore + total_cpu"),
+        _f("psys_power", "rapl.power_w", "CPU", "all", "W", ("rapl:psys",),
+           "RAPL psys domain (system on chip)"),
+        _f("uncore_power", "rapl.power_w", "CPU", "all", "W", ("rapl:uncore",),
+           "RAPL uncore domain"),
+        _f("total_cpu_power", "rapl.power_w", "CPU", "all", "W", ("rapl:core|package",),
+           "RAPL core domain (package where no core domain is reported)"),
+        _f("rel_intel_power", "proc.cpu_power_w", "Experiments", "all", "W", _PH,
+           "CPU power of the experiment's processes"),
+        # -- GPU use, per process on a GPU
+        _f("per_gpu_attributable_mem_use", "proc.gpu_memory_bytes", "GPU", "device", "B", _PG,
+           "GPU memory of each process on each GPU"),
+        _f("per_gpu_per_pid_utilization_absolute", "proc.gpu_sm_frac", "GPU", "device", "%",
+           _PG, "SM use of each process on each GPU, percent", 100.0),
+        _f("per_gpu_absolute_percent_usage", "proc.gpu_sm_frac", "GPU", "per-gpu", "%", _PG,
+           "SM use of the tracked processes on each GPU, percent", 100.0),
+        _f("per_gpu_estimated_attributable_utilization", "proc.gpu_power_share_frac", "GPU",
+           "device", "1", _PG, "share of each GPU's use by each process (0-1)"),
+        # -- GPU power
+        _f("per_gpu_power_draw", "gpu.power_w", "GPU", "device", "W", ("gpu",),
+           "power of each GPU"),
+        _f("per_gpu_attributable_power", "proc.attributed_power_w", "GPU", "device", "W", _PG,
+           "GPU power attributed to each process on each GPU"),
+        _f("nvidia_draw_absolute", "gpu.power_w", "Experiments", "all", "W", ("gpu",),
+           "power of all GPUs"),
+        _f("nvidia_attributable_power", "proc.attributed_power_w", "Experiments", "all", "W",
+           _PG, "GPU power attributed to the experiment's processes, all GPUs"),
+        _f("nvidia_mem_use", "proc.gpu_memory_bytes", "Experiments", "all", "B", _PG,
+           "GPU memory of the experiment's processes, all GPUs"),
+        _f("nvidia_sm_use", "proc.gpu_sm_frac", "Experiments", "all", "%", _PG,
+           "SM use of the experiment's processes, summed over GPUs, percent", 100.0),
+    )
+}  # fmt: skip
+
+#: The groups ``print(recording)`` lists the names under, in order.
+GROUPS: Final = ("CPU", "GPU", "Experiments")
+
+
+def is_aipowermeter(name: str) -> bool:
+    """Whether ``name`` is one of AIPowerMeter's field names."""
+    return name in FIELDS
+
+
+def covers(field: AipmField, device: str, domains: Callable[[str], Sequence[str]]) -> bool:
+    """Whether ``device`` (a key, ``@host`` allowed) is one ``field`` reads.
+
+    ``domains(device)`` gives the RAPL domains its package reports (for ``core|package``).
+    """
+    base = device.split("@", 1)[0]
+    for want in field.devices:
+        if want == "gpu" and base.startswith("gpu:"):
+            return True
+        if want == "proc-host" and base.startswith("proc:") and "/gpu:" not in base:
+            return True
+        if want == "proc-gpu" and base.startswith("proc:") and "/gpu:" in base:
+            return True
+        if want.startswith("rapl:") and base.startswith("cpu:"):
+            domain = base.rpartition("/")[2]
+            names = want.removeprefix("rapl:").split("|")
+            if domain == names[0]:
+                return True
+            # a fallback domain counts only when the package reports none of the first
+            if len(names) > 1 and domain == names[1] and names[0] not in domains(device):
+                return True
+    return False
+
+
+def combine(
+    parts: Sequence[tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]],
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
+    """Sum of several series: at every time any of them has a value, each series linearly
+    interpolated there, 0 outside its own first..last sample."""
+    parts = [(t, v) for t, v in parts if len(t)]
+    if not parts:
+        return np.empty(0, dtype=np.int64), np.empty(0)
+    times = np.unique(np.concatenate([t for t, _ in parts]))
+    base = times[0]
+    total = np.zeros(len(times))
+    for t, v in parts:
+        order = np.argsort(t, kind="stable")
+        t, v = t[order], v[order]
+        inside = (times >= t[0]) & (times <= t[-1])
+        # relative times: exact in a float64 (absolute ns since the epoch are not)
+        at = (times[inside] - base).astype(np.float64)
+        total[inside] += np.interp(at, (t - base).astype(np.float64), v)
+    return times, total

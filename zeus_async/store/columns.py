@@ -1,0 +1,582 @@
+"""Recordings as arrays: the sample events of a recording as typed columns (numpy), and their
+Arrow, pandas and Parquet forms.
+
+A recording's samples (:class:`~zeus_async.events.GpuSample`, ``RaplSample``,
+``ProcessSample``) are read frame by frame into one :class:`SampleTable` per event kind: one
+numpy array per field of the event, in schema order, so a column holds exactly the values the
+struct reader gives for that field:
+
+* ``t_ns`` and the non-optional integers (``gpu`` of a GPU sample, ``package``, ``pid``):
+  ``int64``;
+* every optional number (``power_w``, ``energy_j``, ``memory_used_bytes``, the ``gpu`` of a
+  process sample, ...): ``float64``, **NaN where the event has** ``None`` (integers up to
+  2**53 are exact in a float64: byte counts, clocks);
+* strings (``host``, a RAPL ``domain``): ``int32`` codes into the table's categories.
+
+Each row also has a ``device`` code: the device key analysis uses (``gpu:0``,
+``cpu:0/package``, ``proc:42/gpu:0``, with ``@host`` when the recording holds several hosts).
+
+:class:`~zeus_async.store.Recording` is built on these tables (its series, energies and totals
+read the arrays; its energy estimator is fed from them by
+:meth:`~zeus_async.aggregate.history.DeviceHistory.from_arrays`, bit for bit what the live
+estimator holds), and :func:`to_arrow` / :func:`export_parquet` turn them into Arrow tables
+and Parquet files: typed columns, ``host``/``device``/``domain`` as dictionary (pandas
+categorical) columns, a ``time`` column (UTC timestamp) beside ``t_ns``, nulls where the event
+had ``None``. The other event kinds (measurements, window edges, faults, ...) become tables
+too, one per kind, from their fields' types (nested dicts and lists as JSON text).
+
+pyarrow and pandas are an optional extra (``pip install 'zeus_async[arrow]'``); numpy is a
+dependency of the package.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import operator
+import os
+import types
+import typing
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from ..aggregate.live import device_order
+from ..errors import ConfigError
+from ..events import EVENT_TYPES, Event, GpuSample, ProcessSample, RaplSample, event_to_dict
+from .progress import Progress, ProgressTicker
+from .reader import RecordingReader
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = [
+    "SAMPLE_KINDS",
+    "ColumnarLoad",
+    "SampleTable",
+    "event_table",
+    "export_parquet",
+    "load_columns",
+    "sample_table_to_arrow",
+    "to_arrow",
+]
+
+logger = logging.getLogger(__name__)
+
+_PathLike = str | os.PathLike[str]
+
+_MISSING_ARROW = (
+    "Arrow, pandas and Parquet need pyarrow (and pandas for DataFrames): "
+    "pip install 'zeus_async[arrow]'"
+)
+
+#: The event kinds read into arrays, by tag.
+SAMPLE_KINDS: Final = ("gpu", "rapl", "proc")
+#: The sample event types, and their tags.
+SAMPLE_TYPES: Final[dict[type[Any], str]] = {
+    GpuSample: "gpu",
+    RaplSample: "rapl",
+    ProcessSample: "proc",
+}
+
+# A column's storage: "int" (int64), "float" (float64, NaN for None), "cat" (int32 codes).
+_Storage = Literal["int", "float", "cat"]
+
+
+def _storage(hint: Any) -> _Storage:
+    args = set(typing.get_args(hint) or (hint,))
+    optional = type(None) in args
+    args.discard(type(None))
+    if typing.get_origin(hint) is Literal or args == {str}:
+        return "cat"
+    if args == {int} and not optional:
+        return "int"
+    if args and args <= {int, float}:
+        return "float"
+    raise TypeError(f"no column storage for {hint!r}")  # a new field type: extend here
+
+
+def _layout(cls: type[Any]) -> tuple[tuple[str, _Storage], ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple((name, _storage(hints[name])) for name in cls.__struct_fields__)
+
+
+#: Per sample kind: its fields in schema order and how each is stored.
+LAYOUTS: Final[dict[str, tuple[tuple[str, _Storage], ...]]] = {
+    tag: _layout(cls) for cls, tag in SAMPLE_TYPES.items()
+}
+#: The optional integer fields (stored as float64 with NaN), typed int64 again in Arrow.
+_NULLABLE_INTS: Final = frozenset(
+    (tag, name)
+    for cls, tag in SAMPLE_TYPES.items()
+    for name, hint in typing.get_type_hints(cls).items()
+    if set(typing.get_args(hint)) == {int, type(None)}
+)
+#: Fields that identify the device a sample is about (part of its device key).
+ID_FIELDS: Final = {"gpu": ("gpu",), "rapl": ("package", "domain"), "proc": ("pid", "gpu")}
+
+
+@dataclass
+class SampleTable:
+    """The samples of one kind, one array per field (see the module docstring).
+
+    Attributes:
+        kind: ``"gpu"``, ``"rapl"`` or ``"proc"``.
+        columns: Field name to its array, in schema order (``host`` and ``domain`` as codes).
+        categories: For each coded field, the strings its codes index.
+        device: Device code of each row, indexing :attr:`devices`.
+        devices: Device keys as analysis names them (``gpu:0``, or ``gpu:0@node1`` when the
+            recording holds several hosts), in :func:`~zeus_async.aggregate.live.device_order`.
+        keys: Each device's key without the host (the Arrow ``device`` column; ``host`` is a
+            column of its own).
+    """
+
+    kind: str
+    columns: dict[str, npt.NDArray[Any]]
+    categories: dict[str, list[str]]
+    device: npt.NDArray[np.int32]
+    devices: list[str]
+    keys: list[str]
+    _rows: dict[int, npt.NDArray[np.intp]] | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.columns["t_ns"])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the arrays."""
+        return sum(a.nbytes for a in self.columns.values()) + self.device.nbytes
+
+    def rows(self, code: int) -> npt.NDArray[np.intp]:
+        """Indices of the rows of device ``code``, in file order."""
+        if self._rows is None:
+            n = len(self.devices)
+            if n <= 64:
+                self._rows = {d: np.flatnonzero(self.device == d) for d in range(n)}
+            else:
+                order = np.argsort(self.device, kind="stable")
+                cuts = np.searchsorted(self.device[order], np.arange(n + 1))
+                self._rows = {d: order[cuts[d] : cuts[d + 1]] for d in range(n)}
+        return self._rows[code]
+
+
+class _Categories:
+    """Strings to int32 codes, in order of first appearance."""
+
+    __slots__ = ("index", "names")
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+        self.names: list[str] = []
+
+    def codes(self, values: list[str]) -> npt.NDArray[np.int32]:
+        index = self.index
+        for v in set(values) - index.keys():
+            index[v] = len(self.names)
+            self.names.append(v)
+        if len(index) == 1:
+            return np.zeros(len(values), dtype=np.int32)
+        return np.fromiter(map(index.__getitem__, values), dtype=np.int32, count=len(values))
+
+
+class _KindBuilder:
+    """Accumulates one kind's columns frame by frame."""
+
+    def __init__(self, kind: str, hosts: _Categories) -> None:
+        self.kind = kind
+        self.layout = LAYOUTS[kind]
+        self.cats: dict[str, _Categories] = {
+            name: (hosts if name == "host" else _Categories())
+            for name, storage in self.layout
+            if storage == "cat"
+        }
+        self.getters = [operator.attrgetter(name) for name, _ in self.layout]
+        self.chunks: dict[str, list[npt.NDArray[Any]]] = {name: [] for name, _ in self.layout}
+        self.count = 0
+
+    def add(self, group: list[Any]) -> None:
+        n = len(group)
+        for (name, storage), getter in zip(self.layout, self.getters, strict=True):
+            if storage == "cat":
+                array: npt.NDArray[Any] = self.cats[name].codes(list(map(getter, group)))
+            elif storage == "int":
+                array = np.fromiter(map(getter, group), dtype=np.int64, count=n)
+            else:
+                try:  # straight from the structs when the field has no None in this frame
+                    array = np.fromiter(map(getter, group), dtype=np.float64, count=n)
+                except TypeError:
+                    array = np.array(list(map(getter, group)), dtype=np.float64)  # None -> NaN
+            self.chunks[name].append(array)
+        self.count += n
+
+    def take(self) -> dict[str, npt.NDArray[Any]]:
+        """The columns of everything added so far (and forget the chunks)."""
+        out: dict[str, npt.NDArray[Any]] = {}
+        for name, storage in self.layout:
+            chunks = self.chunks[name]
+            if not chunks:
+                dtype = {"int": np.int64, "float": np.float64, "cat": np.int32}[storage]
+                out[name] = np.empty(0, dtype=dtype)
+            else:
+                out[name] = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+            chunks.clear()
+        self.count = 0
+        return out
+
+
+def _device_parts(
+    kind: str, columns: dict[str, npt.NDArray[Any]], categories: dict[str, list[str]]
+) -> tuple[npt.NDArray[np.int64], Callable[[int], tuple[int, str]]]:
+    """A 64-bit identity of each row's (host, device) and a decoder of it to (host code, key)."""
+    host = columns["host"].astype(np.int64)
+    if kind == "gpu":
+        ident = (host << 40) | columns["gpu"]
+
+        def decode(v: int) -> tuple[int, str]:
+            return v >> 40, f"gpu:{v & (2**40 - 1)}"
+    elif kind == "rapl":
+        ident = (host << 40) | (columns["package"] << 16) | columns["domain"].astype(np.int64)
+        domains = categories["domain"]
+
+        def decode(v: int) -> tuple[int, str]:
+            return v >> 40, f"cpu:{(v >> 16) & (2**24 - 1)}/{domains[v & 0xFFFF]}"
+    else:
+        gpu = columns["gpu"]
+        on_gpu = np.where(np.isnan(gpu), 0, gpu + 1).astype(np.int64)
+        ident = (host << 48) | (columns["pid"] << 16) | on_gpu
+
+        def decode(v: int) -> tuple[int, str]:
+            pid, g = (v >> 16) & (2**32 - 1), v & 0xFFFF
+            return v >> 48, f"proc:{pid}" + (f"/gpu:{g - 1}" if g else "")
+
+    return ident, decode
+
+
+@dataclass
+class ColumnarLoad:
+    """What :func:`load_columns` read: the sample tables and every other event.
+
+    Attributes:
+        tables: Kind to its :class:`SampleTable` (kinds without samples are absent).
+        others: The events of every other kind, in file order.
+        hosts: Every host with samples, in order of first appearance.
+        counts: Events per kind tag.
+    """
+
+    tables: dict[str, SampleTable]
+    others: list[Event]
+    hosts: list[str]
+    counts: dict[str, int]
+
+
+def _tag(cls: type[Any]) -> str:
+    return str(getattr(cls, "__struct_config__").tag)  # noqa: B009 (mypy: not on type)
+
+
+def _frames_into(
+    reader: RecordingReader,
+    progress: Progress | None,
+    builders: dict[str, _KindBuilder],
+    others: list[Event] | None,
+    counts: dict[str, int],
+    kinds: Collection[str] | None = None,
+) -> Iterator[None]:
+    """Read frames into the builders (and ``others``); yields after each frame."""
+    ticker = ProgressTicker(reader, progress)
+    for batch in reader.batches(kinds=kinds):
+        present = set(map(type, batch))
+        for cls in present:
+            group = batch if len(present) == 1 else [e for e in batch if type(e) is cls]
+            tag = _tag(cls)
+            counts[tag] = counts.get(tag, 0) + len(group)
+            kind = SAMPLE_TYPES.get(cls)
+            if kind is not None:
+                builders[kind].add(group)
+            elif others is not None:
+                others.extend(group)
+        ticker.tick()
+        yield None
+    ticker.finish()
+
+
+def _finish_tables(
+    builders: dict[str, _KindBuilder], hosts: _Categories, several_hosts: bool | None = None
+) -> dict[str, SampleTable]:
+    several = len(hosts.names) > 1 if several_hosts is None else several_hosts
+    tables: dict[str, SampleTable] = {}
+    for kind, builder in builders.items():
+        if not builder.count:
+            continue
+        categories = {name: list(c.names) for name, c in builder.cats.items()}
+        columns = builder.take()
+        ident, decode = _device_parts(kind, columns, categories)
+        uniq, inverse = np.unique(ident, return_inverse=True)
+        keys: list[str] = []
+        bare: list[str] = []
+        for v in uniq.tolist():
+            h, key = decode(int(v))
+            bare.append(key)
+            keys.append(f"{key}@{hosts.names[h]}" if several else key)
+        order = sorted(
+            range(len(keys)),
+            key=lambda i: device_order(f"{bare[i]}@{hosts.names[decode(int(uniq[i]))[0]]}"),
+        )
+        remap = np.empty(len(keys), dtype=np.int32)
+        remap[order] = np.arange(len(keys), dtype=np.int32)
+        tables[kind] = SampleTable(
+            kind,
+            columns,
+            categories,
+            remap[inverse.reshape(-1)],
+            [keys[i] for i in order],
+            [bare[i] for i in order],
+        )
+    return tables
+
+
+def load_columns(
+    reader: RecordingReader,
+    progress: Progress | None = None,
+    *,
+    keep_others: bool = True,
+    several_hosts: bool | None = None,
+) -> ColumnarLoad:
+    """One pass over a recording: its samples as :class:`SampleTable` columns.
+
+    Args:
+        reader: The recording.
+        progress: ``progress(done_bytes, total_bytes)`` over the pass.
+        keep_others: Keep the events of the other kinds (in :attr:`ColumnarLoad.others`).
+        several_hosts: Whether device keys carry ``@host``; by default when the samples come
+            from more than one host.
+    """
+    hosts = _Categories()
+    builders = {kind: _KindBuilder(kind, hosts) for kind in SAMPLE_KINDS}
+    others: list[Event] = []
+    counts: dict[str, int] = {}
+    for _ in _frames_into(reader, progress, builders, others if keep_others else None, counts):
+        pass
+    if several_hosts is None:
+        stream_hosts = {getattr(e, "host", None) for e in others if _tag(type(e)) == "stream"}
+        several_hosts = len(set(hosts.names) | (stream_hosts - {None})) > 1
+    tables = _finish_tables(builders, hosts, several_hosts)
+    return ColumnarLoad(tables, others, list(hosts.names), dict(sorted(counts.items())))
+
+
+# -- Arrow ------------------------------------------------------------------------------------
+
+
+def _pyarrow() -> Any:
+    try:
+        import pyarrow
+    except ImportError as exc:
+        raise ConfigError(_MISSING_ARROW) from exc
+    return pyarrow
+
+
+def _dictionary(pa: Any, codes: npt.NDArray[np.int32], names: Sequence[str]) -> Any:
+    return pa.DictionaryArray.from_arrays(
+        pa.array(codes, type=pa.int32()), pa.array(names, pa.string())
+    )
+
+
+def sample_table_to_arrow(table: SampleTable) -> pa.Table:
+    """One kind's samples as an Arrow table: ``time`` (timestamp, UTC), then every field in
+    schema order (``host`` and ``domain`` dictionary-encoded, optional numbers null where the
+    event had ``None``, optional integers as int64), then ``device`` (dictionary)."""
+    pa = _pyarrow()
+    names: list[str] = ["time"]
+    arrays: list[Any] = [
+        pa.array(table.columns["t_ns"], type=pa.int64()).cast(pa.timestamp("ns", tz="UTC"))
+    ]
+    for name, storage in LAYOUTS[table.kind]:
+        values = table.columns[name]
+        if storage == "cat":
+            array = _dictionary(pa, values, table.categories[name])
+        elif storage == "int":
+            array = pa.array(values, type=pa.int64())
+        else:
+            missing = np.isnan(values)
+            if (table.kind, name) in _NULLABLE_INTS:
+                array = pa.array(np.where(missing, 0, values).astype(np.int64), mask=missing)
+            else:
+                array = pa.array(values, mask=missing if missing.any() else None)
+        names.append(name)
+        arrays.append(array)
+    names.append("device")
+    unique = list(dict.fromkeys(table.keys))
+    to_unique = np.array([unique.index(k) for k in table.keys], dtype=np.int32)
+    arrays.append(_dictionary(pa, to_unique[table.device], unique))
+    return pa.Table.from_arrays(arrays, names=names)
+
+
+def _arrow_type(pa: Any, hint: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """An Arrow type for an event field, and how to convert a builtins value to it."""
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        args = set(typing.get_args(hint))
+    else:
+        args = {hint}
+    args.discard(type(None))
+    same: Callable[[Any], Any] = lambda v: v  # noqa: E731
+    if any(not isinstance(a, type) and typing.get_origin(a) is not Literal for a in args) or any(
+        isinstance(a, type) and not issubclass(a, (str, int, float)) for a in args
+    ):
+        # containers and nested structs
+        return pa.string(), lambda v: None if v is None else json.dumps(v, separators=(",", ":"))
+    if any(typing.get_origin(a) is Literal for a in args) or args == {str}:
+        return pa.dictionary(pa.int32(), pa.string()), same
+    if args == {bool}:
+        return pa.bool_(), same
+    if args == {int}:
+        return pa.int64(), same
+    if args and args <= {int, float}:
+        return pa.float64(), lambda v: None if v is None else float(v)
+    return pa.string(), lambda v: None if v is None else json.dumps(v, separators=(",", ":"))
+
+
+def event_table(events: Iterable[Event], cls: type[Any]) -> pa.Table:
+    """Events of one (non-sample) kind as an Arrow table: ``time`` then every field, typed by
+    its annotation (strings dictionary-encoded, nested values as JSON text)."""
+    pa = _pyarrow()
+    hints = typing.get_type_hints(cls)
+    rows = [event_to_dict(e) for e in events]
+    names = ["time"]
+    t = pa.array([r["t_ns"] for r in rows], type=pa.int64())
+    arrays: list[Any] = [t.cast(pa.timestamp("ns", tz="UTC"))]
+    for name in cls.__struct_fields__:
+        arrow_type, convert = _arrow_type(pa, hints[name])
+        values = [convert(r[name]) for r in rows]
+        if pa.types.is_dictionary(arrow_type):
+            array = pa.array(values, type=pa.string()).dictionary_encode()
+        else:
+            array = pa.array(values, type=arrow_type)
+        names.append(name)
+        arrays.append(array)
+    return pa.Table.from_arrays(arrays, names=names)
+
+
+_TYPES_BY_TAG: Final = {_tag(cls): cls for cls in EVENT_TYPES}
+
+
+def to_arrow(load: ColumnarLoad) -> dict[str, pa.Table]:
+    """Every kind of a :class:`ColumnarLoad` as an Arrow table, by tag (samples first)."""
+    out: dict[str, Any] = {k: sample_table_to_arrow(t) for k, t in load.tables.items()}
+    grouped: dict[str, list[Event]] = {}
+    for event in load.others:
+        grouped.setdefault(_tag(type(event)), []).append(event)
+    for tag, events in grouped.items():
+        out[tag] = event_table(events, _TYPES_BY_TAG[tag])
+    return out
+
+
+# -- Parquet ----------------------------------------------------------------------------------
+
+#: Events read between two row groups of a streamed Parquet export.
+PARQUET_CHUNK: Final = 1_048_576
+
+
+def export_parquet(
+    path_in: _PathLike,
+    path_out: _PathLike,
+    *,
+    kinds: str | Collection[str] | None = None,
+    progress: Progress | None = None,
+    overwrite: bool = True,
+) -> dict[str, int]:
+    """Write a recording as Parquet: one file per event kind (streamed; memory bounded by
+    :data:`PARQUET_CHUNK` events, not by the recording).
+
+    Output: with exactly one kind (``kinds="gpu"``) and a ``path_out`` ending in
+    ``.parquet``, that file; otherwise ``path_out`` is a directory (created) holding
+    ``<kind>.parquet`` for every kind with events. Each file reads back with
+    ``pandas.read_parquet`` / ``pyarrow.parquet.read_table`` as :func:`to_arrow` gives it (the
+    dictionary of ``host``/``device``/``domain`` columns is that of the whole file).
+
+    Args:
+        path_in: The recording.
+        path_out: Output file or directory (never the recording or one of its parts).
+        kinds: Only these event kinds.
+        progress: ``progress(done_bytes, total_bytes)`` over the input file.
+        overwrite: Replace existing output files.
+
+    Returns:
+        Rows written per kind.
+
+    Raises:
+        ConfigError: pyarrow missing, an unknown kind, an output that exists (without
+            ``overwrite``) or is the recording.
+    """
+    _pyarrow()
+    import pyarrow.parquet as pq
+
+    from .outputs import claim_output
+
+    wanted = [kinds] if isinstance(kinds, str) else (list(kinds) if kinds is not None else None)
+    if wanted is not None:
+        unknown = sorted(set(wanted) - _TYPES_BY_TAG.keys())
+        if unknown:
+            raise ConfigError(
+                f"unknown event kind(s) {unknown}; known: {', '.join(sorted(_TYPES_BY_TAG))}"
+            )
+    out = Path(path_out)
+    single = wanted is not None and len(wanted) == 1 and out.suffix == ".parquet"
+    if not single:
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"{out} is a file: Parquet export of several kinds needs a directory")
+        out.mkdir(parents=True, exist_ok=True)
+
+    def target(kind: str) -> Path:
+        return out if single else out / f"{kind}.parquet"
+
+    reader = RecordingReader(path_in)
+    hosts = _Categories()
+    builders = {kind: _KindBuilder(kind, hosts) for kind in SAMPLE_KINDS}
+    others: list[Event] = []
+    counts: dict[str, int] = {}
+    writers: dict[str, Any] = {}
+    written: dict[str, int] = {}
+    claimed: set[str] = set()
+
+    def write(tag: str, table: Any) -> None:
+        writer = writers.get(tag)
+        if writer is None:
+            path = target(tag)
+            if tag not in claimed:
+                claim_output(path, inputs=[path_in], overwrite=overwrite, what="Parquet export")
+                claimed.add(tag)
+            writer = writers[tag] = pq.ParquetWriter(path, table.schema, compression="zstd")
+        elif not table.schema.equals(writer.schema):
+            table = table.cast(writer.schema)
+        writer.write_table(table)
+        written[tag] = written.get(tag, 0) + table.num_rows
+
+    def flush() -> None:
+        tables = _finish_tables(builders, hosts, False)
+        for kind, sample in tables.items():
+            write(kind, sample_table_to_arrow(sample))
+        grouped: dict[str, list[Event]] = {}
+        for event in others:
+            grouped.setdefault(_tag(type(event)), []).append(event)
+        others.clear()
+        for tag, events in grouped.items():
+            write(tag, event_table(events, _TYPES_BY_TAG[tag]))
+
+    try:
+        pending = 0
+        for _ in _frames_into(reader, progress, builders, others, counts, kinds=wanted):
+            pending = sum(b.count for b in builders.values()) + len(others)
+            if pending >= PARQUET_CHUNK:
+                flush()
+                pending = 0
+        if pending or not written:
+            flush()
+    finally:
+        for writer in writers.values():
+            writer.close()
+    reader.report.warn(path_in, "exported")
+    logger.info("exported %s to Parquet at %s: %s", path_in, out, written)
+    return dict(sorted(written.items()))
