@@ -95,7 +95,7 @@ def _payloads(path: Path) -> list[bytes]:
 
 def phase(name: str, path: Path, work: Path) -> dict[str, Any]:
     """Run one measurement here (in the child); return its figures."""
-    import numpy as np  # noqa: F401  (imports are not the phase's memory)
+    import numpy as np
     import pandas as pd
 
     from zeus_async.events import EventDecoder
@@ -150,6 +150,36 @@ def phase(name: str, path: Path, work: Path) -> dict[str, Any]:
         s = rec.series("gpu.power_w", "gpu:5")
         out["series_s"] = time.perf_counter() - t1
         out["series_len"] = len(s)
+    elif name == "colframes":
+        # What a recording could load at if its frames held columns (not a format of ours yet):
+        # the same GPU samples as frames of 4,096 rows, each field's values as raw bytes,
+        # zstd level 1; timed: expand every frame and view its columns (np.frombuffer), then
+        # one array per field.
+        import zstandard
+
+        table = load_columns(RecordingReader(path), keep_others=False).tables["gpu"]
+        names = [n for n in table.columns if n != "host"]
+        blocks = []
+        level = zstandard.ZstdCompressor(level=1)
+        for i in range(0, len(table), 4096):
+            raw = b"".join(table.columns[n][i : i + 4096].tobytes() for n in names)
+            blocks.append((min(4096, len(table) - i), level.compress(raw)))
+        dtypes = [table.columns[n].dtype for n in names]
+        del table
+        expand = zstandard.ZstdDecompressor()
+        base = _maxrss()
+        t = time.perf_counter()
+        parts: list[list[Any]] = [[] for _ in names]
+        for rows, block in blocks:
+            raw = expand.decompress(block)
+            at = 0
+            for k, dtype in enumerate(dtypes):
+                parts[k].append(np.frombuffer(raw, dtype=dtype, count=rows, offset=at))
+                at += rows * dtype.itemsize
+        arrays = [np.concatenate(p) for p in parts]
+        out["seconds"] = time.perf_counter() - t
+        out["samples"] = len(arrays[0])
+        out["bytes"] = sum(len(b) for _, b in blocks)
     elif name == "parquet":
         target = work / "columnar_parquet"
         written = export_parquet(path, target, overwrite=True)
@@ -185,7 +215,7 @@ def _maxrss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
 
 
-PHASES = ("zstd", "msgspec", "struct", "columns", "recording", "parquet", "csv")
+PHASES = ("zstd", "msgspec", "struct", "columns", "recording", "colframes", "parquet", "csv")
 
 
 def main() -> int:
@@ -257,6 +287,13 @@ def report(r: dict[str, Any]) -> None:
             "(target >= 10 M); "
             f"arrays {c['array_mib']:.0f} MiB, peak {c['peak_mib']:.0f} MiB = "
             f"{c['peak_mib'] / c['array_mib']:.2f}x the arrays (target <= 3x)"
+        )
+    if "colframes" in r:
+        c = r["colframes"]
+        print(
+            f"floor of a columnar frame format (prototype, GPU samples only): "
+            f"{c['samples'] / c['seconds'] / 1e6:.1f} M samples/s, "
+            f"{c['bytes'] / 2**20:.0f} MiB for the GPU samples"
         )
     if "recording" in r:
         rec = r["recording"]

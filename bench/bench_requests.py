@@ -5,8 +5,9 @@ with 10,000 requests/s, and accuracy against a simulated ground truth.
    batches of 10,000 requests (target <= 5 us).
 2. **Sustained load**: 10,000 requests/s (each 5-50 ms, so ~300 in flight) on 4 GPUs with
    readings every 10 ms, for ``--seconds`` of simulated time; the attribution's CPU time per
-   second of traffic (it keeps up when below 1 s) and the meter's memory each second (it keeps
-   the last 20,000 settled results here, 2 s of traffic).
+   second of traffic (it keeps up when below 1 s) and, in a second run under tracemalloc (which
+   slows allocation several times, so not the run that is timed), the meter's memory each
+   second (it keeps the last 20,000 settled results here, 2 s of traffic).
 3. **Accuracy**: a GPU draws idle power plus each request's own power while it runs (random,
    50-400 W, so heavier requests draw more); tokens are reported with noise around each
    request's own work. Per-request error against the request's own energy plus its
@@ -55,7 +56,12 @@ class FakeClock:
         return self.now
 
 
-def sustained(seconds: float, rate: int = 10_000, gpus: int = 4) -> tuple[float, list[float]]:
+def sustained(
+    seconds: float, rate: int = 10_000, gpus: int = 4, *, trace_memory: bool = False
+) -> tuple[float, list[float]]:
+    """Attribution CPU per second of traffic, and (``trace_memory``) the meter's memory each
+    second. tracemalloc slows every allocation several times over, so the CPU figure comes
+    from a run without it and the memory from a run with it."""
     rng = random.Random(1)
     t0 = 1_700_000_000 * S
     clock = FakeClock(t0)
@@ -64,7 +70,8 @@ def sustained(seconds: float, rate: int = 10_000, gpus: int = 4) -> tuple[float,
     pending: list[tuple[int, int, str, int]] = []  # (t, kind, id, gpu)
     spent = 0.0
     memory = []
-    tracemalloc.start()
+    if trace_memory:
+        tracemalloc.start()
     next_request = t0
     next_reading = t0
     next_settle = t0 + S // 10
@@ -100,10 +107,11 @@ def sustained(seconds: float, rate: int = 10_000, gpus: int = 4) -> tuple[float,
             meter.settle()
             spent += time.process_time() - c0
             next_settle += S // 10
-            if (next_settle - t0) % S == 0:
+            if trace_memory and (next_settle - t0) % S == 0:
                 gc.collect()
                 memory.append(tracemalloc.get_traced_memory()[0] / 2**20)
-    tracemalloc.stop()
+    if trace_memory:
+        tracemalloc.stop()
     return spent / seconds, memory
 
 
@@ -152,13 +160,135 @@ def accuracy(requests: int = 2000, seed: int = 2) -> tuple[float, float, float]:
     return errors["tokens"], errors["equal"], mean_j
 
 
+def accuracy_sim(
+    requests: int = 1500, seed: int = 3, max_in_flight: int = 6, noise: float = 0.2
+) -> dict[str, float]:
+    """Per-request error with the GPU, its sensors and the estimator in the loop.
+
+    A simulated H100 (:class:`~zeus_async.devices.sim.SimNode`) runs at the sum of the loads of
+    the requests in flight (``SimGpu.set_load`` at every request edge). Each request has a
+    prefill (20-120 ms at a utilization of 0.08-0.16) then a decode (50-600 ms at 0.01-0.05):
+    its own power is known exactly, as the simulator's power is linear in the load at full
+    clocks. The meter reads what NVML reports every 10 ms (instant power, with its 25 ms
+    window at the head of each 100 ms period, and the energy counter updated every 100 ms)
+    and attributes with each policy. Truth per request: the simulator's energy of each
+    interval between edges, its dynamic part split by the requests' own loads, its idle part
+    equally among the requests in flight (the split the meter's conservation asks for).
+    Tokens are each phase's own work with +-``noise`` (what a server can report); with
+    ``noise=0`` what is left of the error is the sensors' and the estimator's.
+    """
+    from zeus_async.clock import FakeClock as SimClock
+    from zeus_async.devices.sim import SimConfig, SimNode
+
+    rng = random.Random(seed)
+    t0 = 1_700_000_000 * S
+    sim_clock = SimClock(t0)
+    node = SimNode(SimConfig(num_gpus=1, counter_origin_ns=0), sim_clock, shared_state=False)
+    gpu = node.gpus[0]
+    # Requests: (id, begin, phase, end, prefill load, decode load)
+    reqs: list[tuple[str, int, int, int, float, float]] = []
+    t = t0 + 200 * MS
+    ends: list[int] = []
+    for i in range(requests):
+        t += rng.randrange(5, 60) * MS
+        ends = [e for e in ends if e > t]
+        if len(ends) >= max_in_flight:
+            t = min(ends)
+            ends = [e for e in ends if e > t]
+        pre = rng.randrange(20, 120) * MS
+        dec = rng.randrange(50, 600) * MS
+        reqs.append((f"r{i}", t, t + pre, t + pre + dec, rng.uniform(0.08, 0.16),
+                     rng.uniform(0.01, 0.05)))  # fmt: skip
+        ends.append(t + pre + dec)
+    end_all = max(r[3] for r in reqs) + 300 * MS
+    edges = sorted({t0, end_all, *(x for r in reqs for x in r[1:4])})
+
+    def loads(at: int) -> dict[str, float]:
+        out = {}
+        for rid, b, ph, e, up, ud in reqs:
+            if b <= at < ph:
+                out[rid] = up
+            elif ph <= at < e:
+                out[rid] = ud
+        return out
+
+    segments = []
+    for a, b in itertools.pairwise(edges):
+        mine = loads(a)
+        total = sum(mine.values())
+        assert total <= 1.0
+        gpu.set_load(total, a)
+        segments.append((a, b, mine, total))
+    idle_w = SimConfig().idle_w
+    truth = {r[0]: 0.0 for r in reqs}
+    for a, b, mine, total in segments:
+        if not mine:
+            continue
+        energy = gpu.energy_j(a, b)
+        idle = idle_w * (b - a) / S
+        for rid, u in mine.items():
+            truth[rid] += (energy - idle) * u / total + idle / len(mine)
+    # The serving side, on its own clock, with NVML's readings every 10 ms.
+    clock = FakeClock(t0)
+    meters = {
+        p: RequestMeter(p, gpus=[0], clock=clock, lag_s=0.3, keep=4 * requests)  # type: ignore[arg-type]
+        for p in ("tokens", "equal")
+    }
+    marks: list[tuple[int, int, str]] = []
+    for rid, b, ph, e, _, _ in reqs:
+        marks += [(b, 0, rid), (ph, 1, rid), (e, 2, rid)]
+    marks.sort()
+    by_id = {r[0]: r for r in reqs}
+    reading = t0
+    k = 0
+    while reading <= end_all + S:
+        while k < len(marks) and marks[k][0] < reading:
+            at, kind, rid = marks[k]
+            clock.now = at
+            _, b, ph, e, up, ud = by_id[rid]
+            for meter in meters.values():
+                if kind == 0:
+                    meter.begin(rid, gpus=(0,))
+                elif kind == 1:
+                    meter.phase(rid)
+                else:
+                    work_in = up * (ph - b) / S * 1e4 * rng.uniform(1 - noise, 1 + noise)
+                    work_out = ud * (e - ph) / S * 1e4 * rng.uniform(1 - noise, 1 + noise)
+                    meter.end(
+                        rid, tokens_in=max(1, round(work_in)), tokens_out=max(1, round(work_out))
+                    )
+            k += 1
+        clock.now = reading
+        sample = GpuSample(
+            "sim",
+            reading,
+            0,
+            power_w=gpu.instant_power_mw(reading) / 1000,
+            energy_j=gpu.energy_counter_mj(reading) / 1000,
+        )
+        for meter in meters.values():
+            meter.add(sample)
+        reading += 10 * MS
+    out: dict[str, float] = {"mean_j": statistics.mean(truth.values())}
+    for policy, meter in meters.items():
+        meter.settle()
+        got = {r.request_id: r.energy_j for r in meter.results()}
+        missing = [rid for rid in truth if rid not in got]
+        assert not missing, f"{policy}: {len(missing)} requests not settled"
+        rel = [abs(got[rid] - truth[rid]) / truth[rid] for rid in truth]
+        out[policy] = statistics.mean(rel) * 100
+        out[policy + "_median"] = statistics.median(rel) * 100
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
     us = cost_per_request()
     print(f"{'meter cost per request (begin + phase + end)':<52}{us:>9.2f} us   target <= 5 us")
-    per_s, memory = sustained(args.seconds)
+    per_s, _ = sustained(args.seconds)
+    _, memory = sustained(args.seconds, trace_memory=True)
     print(
         f"{'attribution CPU per second of 10,000 req/s':<52}{per_s * 1e3:>9.1f} ms   "
         f"keeps up: {'yes' if per_s < 1.0 else 'NO'}"
@@ -168,10 +298,25 @@ def main() -> None:
         + " ".join(f"{m:.1f}" for m in memory)
     )
     tok, eq, mean_j = accuracy()
-    print(f"{'mean per-request error, tokens policy':<52}{tok:>9.2f} %")
+    print("accuracy, exact energies between edges (the attribution model alone):")
+    print(f"{'  mean per-request error, tokens policy':<52}{tok:>9.2f} %")
     print(
-        f"{'mean per-request error, equal policy':<52}{eq:>9.2f} %   (mean request {mean_j:.1f} J)"
+        f"{'  mean per-request error, equal policy':<52}{eq:>9.2f} %   "
+        f"(mean request {mean_j:.1f} J)"
     )
+    sim = accuracy_sim()
+    print("accuracy, simulated H100 driven by the requests' loads, read through NVML at 10 ms:")
+    for policy in ("tokens", "equal"):
+        print(
+            f"{'  mean per-request error, ' + policy + ' policy':<52}{sim[policy]:>9.2f} %   "
+            f"(median {sim[policy + '_median']:.2f} %)"
+        )
+    exact = accuracy_sim(noise=0.0)
+    print(
+        f"{'  tokens policy, tokens exactly proportional':<52}{exact['tokens']:>9.2f} %   "
+        f"(median {exact['tokens_median']:.2f} %: the sensors' and estimator's part)"
+    )
+    print(f"{'  mean request energy':<52}{sim['mean_j']:>9.2f} J")
 
 
 if __name__ == "__main__":

@@ -465,11 +465,10 @@ class Recording:
         if present is None:
             where = self._where[key]
             kind = where.table.kind
-            rows = where.take()
             present = self._present[key] = [
                 metric
                 for name, metric in _SPECS[_KIND_TYPES[kind]][1]
-                if not np.isnan(where.table.columns[name][rows]).all()
+                if where.table.present(name)[where.code]
             ]
         return present
 

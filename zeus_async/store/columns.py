@@ -142,6 +142,7 @@ class SampleTable:
     devices: list[str]
     keys: list[str]
     _rows: dict[int, npt.NDArray[np.intp]] | None = field(default=None, repr=False)
+    _present: dict[str, npt.NDArray[np.bool_]] = field(default_factory=dict, repr=False)
 
     def __len__(self) -> int:
         return len(self.columns["t_ns"])
@@ -150,6 +151,15 @@ class SampleTable:
     def nbytes(self) -> int:
         """Bytes held by the arrays."""
         return sum(a.nbytes for a in self.columns.values()) + self.device.nbytes
+
+    def present(self, name: str) -> npt.NDArray[np.bool_]:
+        """Per device code, whether field ``name`` has a value (not ``None``) in any row."""
+        got = self._present.get(name)
+        if got is None:
+            column = self.columns[name]
+            device = self.device[~np.isnan(column)] if column.dtype.kind == "f" else self.device
+            got = self._present[name] = np.bincount(device, minlength=len(self.devices)) > 0
+        return got
 
     def rows(self, code: int) -> npt.NDArray[np.intp]:
         """Indices of the rows of device ``code``, in file order."""
@@ -196,10 +206,15 @@ class _KindBuilder:
         }
         self.getters = [operator.attrgetter(name) for name, _ in self.layout]
         self.chunks: dict[str, list[npt.NDArray[Any]]] = {name: [] for name, _ in self.layout}
+        # Device identities (see _ident) in order of first appearance, and each row's index
+        # into them, computed frame by frame (a few distinct values per frame).
+        self.idents: dict[int, int] = {}
+        self.device_chunks: list[npt.NDArray[np.int32]] = []
         self.count = 0
 
     def add(self, group: list[Any]) -> None:
         n = len(group)
+        frame: dict[str, npt.NDArray[Any]] = {}
         for (name, storage), getter in zip(self.layout, self.getters, strict=True):
             if storage == "cat":
                 array: npt.NDArray[Any] = self.cats[name].codes(list(map(getter, group)))
@@ -211,6 +226,19 @@ class _KindBuilder:
                 except TypeError:
                     array = np.array(list(map(getter, group)), dtype=np.float64)  # None -> NaN
             self.chunks[name].append(array)
+            frame[name] = array
+        ident = _ident(self.kind, frame)
+        first = ident[0]
+        if (ident == first).all():  # one device in the frame: the usual case per kind
+            code = self.idents.setdefault(int(first), len(self.idents))
+            self.device_chunks.append(np.full(n, code, dtype=np.int32))
+        else:
+            uniq, inverse = np.unique(ident, return_inverse=True)
+            lut = np.array(
+                [self.idents.setdefault(v, len(self.idents)) for v in uniq.tolist()],
+                dtype=np.int32,
+            )
+            self.device_chunks.append(lut[inverse.reshape(-1)])
         self.count += n
 
     def take(self) -> dict[str, npt.NDArray[Any]]:
@@ -224,36 +252,34 @@ class _KindBuilder:
             else:
                 out[name] = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
             chunks.clear()
+        device = self.device_chunks
+        out[""] = np.concatenate(device) if device else np.empty(0, dtype=np.int32)
+        device.clear()
         self.count = 0
         return out
 
 
-def _device_parts(
-    kind: str, columns: dict[str, npt.NDArray[Any]], categories: dict[str, list[str]]
-) -> tuple[npt.NDArray[np.int64], Callable[[int], tuple[int, str]]]:
-    """A 64-bit identity of each row's (host, device) and a decoder of it to (host code, key)."""
+def _ident(kind: str, columns: dict[str, npt.NDArray[Any]]) -> npt.NDArray[np.int64]:
+    """A 64-bit identity of each row's (host, device); :func:`_decode` reads it back."""
     host = columns["host"].astype(np.int64)
     if kind == "gpu":
-        ident = (host << 40) | columns["gpu"]
+        gpu: npt.NDArray[np.int64] = columns["gpu"]
+        return (host << 40) | gpu
+    if kind == "rapl":
+        return (host << 40) | (columns["package"] << 16) | columns["domain"].astype(np.int64)
+    on = columns["gpu"]
+    on_gpu = np.where(np.isnan(on), 0, on + 1).astype(np.int64)
+    return (host << 48) | (columns["pid"] << 16) | on_gpu
 
-        def decode(v: int) -> tuple[int, str]:
-            return v >> 40, f"gpu:{v & (2**40 - 1)}"
-    elif kind == "rapl":
-        ident = (host << 40) | (columns["package"] << 16) | columns["domain"].astype(np.int64)
-        domains = categories["domain"]
 
-        def decode(v: int) -> tuple[int, str]:
-            return v >> 40, f"cpu:{(v >> 16) & (2**24 - 1)}/{domains[v & 0xFFFF]}"
-    else:
-        gpu = columns["gpu"]
-        on_gpu = np.where(np.isnan(gpu), 0, gpu + 1).astype(np.int64)
-        ident = (host << 48) | (columns["pid"] << 16) | on_gpu
-
-        def decode(v: int) -> tuple[int, str]:
-            pid, g = (v >> 16) & (2**32 - 1), v & 0xFFFF
-            return v >> 48, f"proc:{pid}" + (f"/gpu:{g - 1}" if g else "")
-
-    return ident, decode
+def _decode(kind: str, v: int, categories: dict[str, list[str]]) -> tuple[int, str]:
+    """(host code, device key) of an identity from :func:`_ident`."""
+    if kind == "gpu":
+        return v >> 40, f"gpu:{v & (2**40 - 1)}"
+    if kind == "rapl":
+        return v >> 40, f"cpu:{(v >> 16) & (2**24 - 1)}/{categories['domain'][v & 0xFFFF]}"
+    pid, g = (v >> 16) & (2**32 - 1), v & 0xFFFF
+    return v >> 48, f"proc:{pid}" + (f"/gpu:{g - 1}" if g else "")
 
 
 @dataclass
@@ -312,18 +338,14 @@ def _finish_tables(
         if not builder.count:
             continue
         categories = {name: list(c.names) for name, c in builder.cats.items()}
+        idents = list(builder.idents)
         columns = builder.take()
-        ident, decode = _device_parts(kind, columns, categories)
-        uniq, inverse = np.unique(ident, return_inverse=True)
-        keys: list[str] = []
-        bare: list[str] = []
-        for v in uniq.tolist():
-            h, key = decode(int(v))
-            bare.append(key)
-            keys.append(f"{key}@{hosts.names[h]}" if several else key)
+        codes = columns.pop("")
+        parts = [_decode(kind, v, categories) for v in idents]
+        keys = [f"{key}@{hosts.names[h]}" if several else key for h, key in parts]
         order = sorted(
             range(len(keys)),
-            key=lambda i: device_order(f"{bare[i]}@{hosts.names[decode(int(uniq[i]))[0]]}"),
+            key=lambda i: device_order(f"{parts[i][1]}@{hosts.names[parts[i][0]]}"),
         )
         remap = np.empty(len(keys), dtype=np.int32)
         remap[order] = np.arange(len(keys), dtype=np.int32)
@@ -331,9 +353,9 @@ def _finish_tables(
             kind,
             columns,
             categories,
-            remap[inverse.reshape(-1)],
+            remap[codes],
             [keys[i] for i in order],
-            [bare[i] for i in order],
+            [parts[i][1] for i in order],
         )
     return tables
 
