@@ -14,7 +14,9 @@ its own (``ru_maxrss`` after the phase minus after the imports):
 * ``recording``: ``Recording(path)``, then ``totals()`` and one ``energy()`` query;
 * ``parquet`` / ``csv``: the exports, their sizes, and pandas reading each back.
 
-Run: ``.venv/bin/python bench/bench_columnar.py [--samples 10000000] [--json PATH]``.
+Run: ``.venv/bin/python bench/bench_columnar.py [--samples 10000000] [--json PATH]``. The
+``recording`` pass also runs against an older checkout of the package, for a before/after:
+``PYTHONPATH=/path/to/old/checkout .venv/bin/python bench/bench_columnar.py --phases recording``.
 """
 
 from __future__ import annotations
@@ -101,7 +103,6 @@ def phase(name: str, path: Path, work: Path) -> dict[str, Any]:
     from zeus_async.events import EventDecoder
     from zeus_async.store import RecordingReader
     from zeus_async.store.analysis import Recording, export_csv
-    from zeus_async.store.columns import export_parquet, load_columns
     from zeus_async.store.format import PayloadCodec
 
     out: dict[str, Any] = {}
@@ -130,6 +131,8 @@ def phase(name: str, path: Path, work: Path) -> dict[str, Any]:
         n = sum(len(b) for b in RecordingReader(path).batches())
         out["events"] = n
     elif name == "columns":
+        from zeus_async.store.columns import load_columns
+
         load = load_columns(RecordingReader(path), keep_others=False)
         out["seconds"] = time.perf_counter() - t
         out["samples"] = sum(len(tb) for tb in load.tables.values())
@@ -157,6 +160,8 @@ def phase(name: str, path: Path, work: Path) -> dict[str, Any]:
         # one array per field.
         import zstandard
 
+        from zeus_async.store.columns import load_columns
+
         table = load_columns(RecordingReader(path), keep_others=False).tables["gpu"]
         names = [n for n in table.columns if n != "host"]
         blocks = []
@@ -181,6 +186,8 @@ def phase(name: str, path: Path, work: Path) -> dict[str, Any]:
         out["samples"] = len(arrays[0])
         out["bytes"] = sum(len(b) for _, b in blocks)
     elif name == "parquet":
+        from zeus_async.store.columns import export_parquet
+
         target = work / "columnar_parquet"
         written = export_parquet(path, target, overwrite=True)
         out["export_s"] = time.perf_counter() - t
