@@ -7,7 +7,9 @@
 Prints per-device energy (and how it was obtained), the available metrics, every measured
 window next to the same window measured again from the file's samples (the live aggregation
 code, fed by a replay), and whether the file was complete (a recording cut short by a crash
-still yields every complete frame).
+still yields every complete frame). Then the samples as arrays: a power series as numpy, the
+all-GPU power under AIPowerMeter's name, and, when pandas is installed
+(``pip install 'zeus_async[arrow]'``), the mean power per GPU from a DataFrame.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import subprocess
 import sys
 
 from zeus_async.aggregate.windows import ReplayedWindows
+from zeus_async.errors import ConfigError
 from zeus_async.store import RecordingReader
 from zeus_async.store.analysis import Recording
 
@@ -71,6 +74,21 @@ def main() -> int:
     report = rec.report
     state = "complete" if report.clean else f"recovered ({report})"
     print(f"{report.frames_ok} frames, {report.events_ok} events, {state}")
+
+    # The samples as arrays (numpy), and AIPowerMeter's names.
+    power = rec.series("gpu.power_w", rec.devices("gpu.power_w")[0])
+    print(f"{power.device} power: {len(power)} readings, peak {power.values.max():.1f} W")
+    draw = rec.series("nvidia_draw_absolute")  # every GPU's power, summed
+    print(f"all-GPU power (nvidia_draw_absolute): mean {draw.values.mean():.1f} W")
+    try:
+        frames = rec.to_pandas()
+    except ConfigError as exc:  # pandas/pyarrow not installed: say so, the rest stands
+        print(f"DataFrames skipped: {exc}")
+    else:
+        mean = frames["gpu"].groupby("device", observed=True)["power_w"].mean()
+        print(
+            "mean power per GPU (pandas): " + ", ".join(f"{k} {v:.1f} W" for k, v in mean.items())
+        )
     return 0
 
 

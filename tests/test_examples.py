@@ -64,6 +64,8 @@ def test_analyze_recording_example(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "devices: gpu:0, gpu:1, gpu:2, gpu:3" in proc.stdout
     assert "counter+" in proc.stdout and "complete" in proc.stdout
+    assert "all-GPU power (nvidia_draw_absolute): mean" in proc.stdout
+    assert "mean power per GPU (pandas): gpu:0 " in proc.stdout
 
 
 def test_analyze_recording_example_on_a_committed_recording() -> None:

@@ -373,8 +373,9 @@ def load_columns(
         reader: The recording.
         progress: ``progress(done_bytes, total_bytes)`` over the pass.
         keep_others: Keep the events of the other kinds (in :attr:`ColumnarLoad.others`).
-        several_hosts: Whether device keys carry ``@host``; by default when the samples come
-            from more than one host.
+        several_hosts: Whether device keys carry ``@host``; by default when the recording
+            holds more than one host (its samples' and its streams' descriptions), as
+            :class:`~zeus_async.store.Recording` names devices.
     """
     hosts = _Categories()
     builders = {kind: _KindBuilder(kind, hosts) for kind in SAMPLE_KINDS}
