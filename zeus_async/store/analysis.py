@@ -1,10 +1,14 @@
 """Analysis of recordings: per-device series, energy over any interval, totals and export.
 
 This is the offline counterpart of the live aggregation (the role of AIPowerMeter's
-``ExpResults``): :class:`Recording` reads a recording once and keeps, per device, one column of
-``(t_ns, value)`` pairs per metric, plus a :class:`~zeus_async.aggregate.history.DeviceHistory`
-per energy-measurable device — the same estimator the measurement windows use, fed the same
-way — so energy over any interval is what a window over that interval would have reported.
+``ExpResults``): :class:`Recording` reads a recording once into arrays, one numpy array per
+field of each sample kind (:mod:`zeus_async.store.columns`; :meth:`Recording.tables`,
+:meth:`Recording.to_arrow`, :meth:`Recording.to_pandas`). Series are slices of them, and each
+energy-measurable device gets, on first use, a
+:class:`~zeus_async.aggregate.history.DeviceHistory` built from them
+(:meth:`~zeus_async.aggregate.history.DeviceHistory.from_arrays`: the same estimator the
+measurement windows use, holding bit for bit what it holds when fed sample by sample), so
+energy over any interval is what a window over that interval would have reported.
 
 Naming
 ------
@@ -37,8 +41,9 @@ events: ``proc.*`` metrics like any other (``total("proc.cpu_power_w")`` integra
 process's CPU power; ``total("proc.attributed_power_w")`` the GPU power attributed to every
 tracked process). :meth:`Recording.totals` adds, per process, the attributed CPU, DRAM and
 per-GPU energy from the samples' running totals, and their sums for the experiment.
-AIPowerMeter's metric names are accepted too (:data:`AIPOWERMETER_METRICS`:
-``total("per_process_cpu_power")``, ``series("nvidia_attributable_power", ...)``).
+AIPowerMeter's field names are accepted too, in its units (:mod:`~zeus_async.store.
+aipowermeter`: ``total("per_process_cpu_power")``, ``series("nvidia_draw_absolute")``, percent
+where it gives percent), and ``print(recording)`` lists them grouped as it does.
 
 Progress
 --------
