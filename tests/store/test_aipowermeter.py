@@ -126,7 +126,7 @@ def test_percent_where_the_seed_says_percent(rec: Recording) -> None:
     assert set(rec.series("per_process_mem_use_abs", "proc:42").values) == {1000.0}
     assert set(rec.series("mem_use_abs", "proc:42").values) == {2000.0}
     assert set(rec.series("nvidia_mem_use").values) == {2e9}
-    share = rec.series("per_gpu_estimated_attributable_utilization", "proc:42/gpu:0")
+    share = rec.series("per_gpu_estimated_attributable_utilization", "gpu:0")
     assert set(share.values) == {0.8}
 
 
@@ -167,6 +167,29 @@ def test_nvidia_draw_absolute_is_an_all_gpu_series(rec: Recording) -> None:
     assert rec.total("per_gpu_power_draw", "gpu:1") == pytest.approx(10 * 205.0)
 
 
+def test_per_gpu_names_sum_the_processes_on_each_gpu(tmp_path: Path) -> None:
+    """AIPowerMeter keys its per-GPU process fields by GPU: the tracked pids summed."""
+    events: list[Event] = []
+    for k in range(5):
+        t = T0 + k * S
+        for pid, watts, share in ((7, 30.0, 0.25), (8, 50.0, 0.5)):
+            events.append(
+                ProcessSample(
+                    H, t, pid, gpu=0, attributed_power_w=watts, gpu_power_share_frac=share,
+                    gpu_sm_frac=share,
+                )
+            )  # fmt: skip
+    path = tmp_path / "two.zarc"
+    write_recording(path, events)
+    rec = Recording(path)
+    assert rec.devices("per_gpu_attributable_power") == ["gpu:0"]
+    assert set(rec.series("per_gpu_attributable_power", "gpu:0").values) == {80.0}
+    assert set(rec.series("per_gpu_estimated_attributable_utilization").values) == {0.75}
+    assert set(rec.series("per_gpu_absolute_percent_usage", "gpu:0").values) == {75.0}
+    assert rec.total("per_gpu_attributable_power", "gpu:0") == pytest.approx(4 * 80.0)
+    assert rec.total("per_gpu_attributable_power") == pytest.approx(4 * 80.0)
+
+
 def test_print_and_duration(rec: Recording) -> None:
     text = str(rec)
     lines = text.splitlines()
@@ -183,8 +206,10 @@ def test_print_and_duration(rec: Recording) -> None:
 
 
 def test_errors_name_what_is_missing(rec: Recording, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="pass one of: proc:42/gpu:0, proc:42/gpu:1"):
+    with pytest.raises(ConfigError, match="pass one of: gpu:0, gpu:1"):
         rec.series("per_gpu_attributable_power")
+    with pytest.raises(ConfigError, match="pass one of: proc:42/gpu:0, proc:42/gpu:1"):
+        rec.series("per_gpu_attributable_mem_use")
     with pytest.raises(ConfigError, match="without a device"):
         rec.series("nvidia_draw_absolute", "gpu:0")
     with pytest.raises(ConfigError, match="use series"):

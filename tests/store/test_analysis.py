@@ -612,5 +612,5 @@ def test_process_totals_and_aipowermeter_names(tmp_path: Path) -> None:
     assert rec.total("per_process_cpu_power") == pytest.approx(20.0)  # from 1 s to 2 s
     assert rec.total("proc.cpu_energy_j", "proc:7") == pytest.approx(40.0)
     assert rec.total("nvidia_attributable_power") == pytest.approx(100.0)
-    series = rec.series("per_gpu_attributable_power", "proc:7/gpu:0")
+    series = rec.series("per_gpu_attributable_power", "gpu:0")  # the tracked pids on GPU 0
     assert (series.metric, series.values.tolist()) == ("per_gpu_attributable_power", [100.0, 100.0])

@@ -298,3 +298,91 @@ def test_parquet_export_refuses_bad_output(tmp_path: Path) -> None:
     export_parquet(path, out, kinds="gpu", overwrite=False)
     with pytest.raises(FileExistsError):
         export_parquet(path, out, kinds="gpu", overwrite=False)
+
+
+def test_hosts_and_categories_in_order_of_first_appearance(tmp_path: Path) -> None:
+    """Several new hosts (and domains) in one frame keep the order they came in, whatever the
+    hash seed (a set's order would not)."""
+    events: list[Event] = []
+    for k in range(3):
+        for host in ("zeta", "alpha", "mid"):
+            events.append(GpuSample(host, T0 + k * 1000 + ord(host[0]), 0, power_w=1.0))
+            events.append(RaplSample(host, T0 + k * 1000 + 500, 0, "uncore", k * 1.0))
+            events.append(RaplSample(host, T0 + k * 1000 + 501, 0, "dram", k * 1.0))
+    path = tmp_path / "hosts.zarc"
+    write_recording(path, events)
+    load = load_columns(RecordingReader(path))
+    assert load.hosts == ["zeta", "alpha", "mid"]
+    assert load.tables["rapl"].categories["domain"] == ["uncore", "dram"]
+    assert Recording(path).hosts == ["zeta", "alpha", "mid"]
+
+
+def test_device_values_of_any_size_keep_their_own_keys(tmp_path: Path) -> None:
+    events: list[Event] = [
+        GpuSample("h", T0, -1, power_w=1.0),
+        GpuSample("h", T0 + 1, 2**41, power_w=2.0),
+        ProcessSample("h", T0 + 2, 7, cpu_frac=0.5),
+        ProcessSample("h", T0 + 3, 7, gpu=65535, attributed_power_w=3.0),
+        ProcessSample("h", T0 + 4, 2**33, cpu_frac=0.25),
+        RaplSample("h", T0 + 5, 2**30, "package", 1.0),
+    ]
+    path = tmp_path / "odd.zarc"
+    write_recording(path, events)
+    rec = Recording(path)
+    assert sorted(rec.devices()) == sorted(
+        ["gpu:-1", f"gpu:{2**41}", "proc:7", "proc:7/gpu:65535", f"proc:{2**33}",
+         f"cpu:{2**30}/package"]
+    )  # fmt: skip
+    assert rec.series("proc.attributed_power_w", "proc:7/gpu:65535").values.tolist() == [3.0]
+
+
+def test_nan_readings_count_as_missing_in_both_paths(tmp_path: Path) -> None:
+    nan = float("nan")
+    events: list[Event] = [
+        GpuSample("h", T0 + k * 10_000_000, 0, power_w=nan if k == 3 else 100.0) for k in range(10)
+    ]
+    path = tmp_path / "nan.zarc"
+    write_recording(path, events)
+    live = DeviceHistory("gpu:0")
+    for event in events:
+        assert isinstance(event, GpuSample)
+        add_sample(live, event)
+    energy = Recording(path).energy("gpu:0")
+    assert energy.energy_j == live.span_energy().energy_j
+    assert energy.energy_j == pytest.approx(100.0 * 0.09)
+
+
+def test_series_compare_by_identity(tmp_path: Path) -> None:
+    path = tmp_path / "gen.zarc"
+    write_recording(path, generated_events(1, n=20))
+    rec = Recording(path)
+    a, b = rec.series("gpu.power_w", "gpu:0"), rec.series("gpu.power_w", "gpu:0")
+    assert a != b and a == a  # no "truth value of an array is ambiguous"
+    assert np.array_equal(a.values, b.values)
+
+
+def test_parquet_claims_every_output_first(tmp_path: Path) -> None:
+    path = tmp_path / "gen.zarc"
+    write_recording(path, generated_events(1, n=40))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "rapl.parquet").write_bytes(b"old")
+    with pytest.raises(FileExistsError):
+        export_parquet(path, out, overwrite=False)
+    assert sorted(p.name for p in out.iterdir()) == ["rapl.parquet"]  # nothing written
+    (out / "fault.parquet").write_bytes(b"stale, from another recording")
+    written = export_parquet(path, out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"{k}.parquet" for k in written)
+    # one kind with no events: an empty, typed table
+    empty = tmp_path / "faults.parquet"
+    assert export_parquet(path, empty, kinds="fault") == {"fault": 0}
+    table = pq.read_table(empty)
+    assert table.num_rows == 0 and "time" in table.column_names
+
+
+def test_to_pandas_keeps_plain_int_columns_plain(tmp_path: Path) -> None:
+    path = tmp_path / "gen.zarc"
+    write_recording(path, generated_events(1, n=20))
+    df = Recording(path).to_pandas()["gpu"]
+    assert str(df["t_ns"].dtype) == "int64" and str(df["gpu"].dtype) == "int64"
+    assert str(df["memory_used_bytes"].dtype) == "Int64"

@@ -80,11 +80,20 @@ def history_key(event: GpuSample | RaplSample) -> str:
 
 
 def add_sample(history: DeviceHistory, event: GpuSample | RaplSample) -> None:
-    """Account one sample in its device's history: every estimator is fed by this."""
+    """Account one sample in its device's history: every estimator is fed by this.
+
+    A NaN reading counts as no reading (a recording written elsewhere may hold one; our
+    samplers never publish one), so one bad value never turns every later figure into NaN.
+    """
     if isinstance(event, GpuSample):
-        if event.power_w is not None or event.energy_j is not None:
-            history.add(event.t_ns, event.power_w, event.energy_j)
-    else:
+        power, energy = event.power_w, event.energy_j
+        if power is not None and power != power:
+            power = None
+        if energy is not None and energy != energy:
+            energy = None
+        if power is not None or energy is not None:
+            history.add(event.t_ns, power, energy)
+    elif event.energy_j == event.energy_j:
         history.add(event.t_ns, None, event.energy_j)
 
 
@@ -306,7 +315,8 @@ class DeviceHistory:
             counter_j: Counter of each sample, NaN where the sample has none; ``None``: none.
             fine_counter, sensor: As for the constructor.
 
-        Samples with neither value are skipped, as :func:`add_sample` skips them; a sample not
+        NaN means no value (as :func:`add_sample` reads NaN readings). Samples with neither
+        value are skipped, as :func:`add_sample` skips them; a sample not
         later than the previous one taken is dropped (counted in :attr:`dropped`), as
         :meth:`add` drops it. Every list, counter and flag equals the sequential result to the
         last bit (the trapezoid sums are accumulated left to right, as :meth:`add` does).

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..aggregate.history import DeviceHistory
+from ..aggregate.history import DeviceHistory, add_sample
 from ..errors import ConfigError
 from ..events import Event, GpuSample
 from .attribution import POLICIES, Attribution, Policy, RequestEnergy, RequestSpan, attribute
@@ -136,7 +136,7 @@ class RequestMeter:
         history = self._histories.get(event.gpu)
         if history is None:
             history = self._histories[event.gpu] = DeviceHistory(f"gpu:{event.gpu}")
-        history.add(event.t_ns, event.power_w, event.energy_j)
+        add_sample(history, event)
 
     def add_all(self, events: Iterable[Event]) -> None:
         for event in events:

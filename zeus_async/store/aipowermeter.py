@@ -10,7 +10,11 @@ maps to the recorded field that measures the same thing (:data:`FIELDS`):
   percent (``per_process_cpu_uses``: our ``proc.cpu_share_frac`` x 100), powers in W, memory in
   bytes;
 * **per device** names (``per_gpu_power_draw``, ``per_process_cpu_power``, ...) are series of one
-  device, as our metrics are (``series("per_gpu_power_draw", "gpu:0")``);
+  device, as our metrics are (``series("per_gpu_power_draw", "gpu:0")``); the per-GPU names
+  about the tracked processes (``per_gpu_attributable_power``,
+  ``per_gpu_absolute_percent_usage``, ``per_gpu_estimated_attributable_utilization``) are one
+  series per GPU, the processes on it summed, as AIPowerMeter keys them by GPU
+  (``series("per_gpu_attributable_power", "gpu:0")``);
 * **experiment** names are one series over every device they cover (``device`` ``"all"``): the
   sum, at every instant any of those devices was sampled, of each device's value linearly
   interpolated there (0 outside a device's own samples: a process that has not started draws
@@ -95,7 +99,8 @@ FIELDS: Final[dict[str, AipmField]] = {
         _f("per_process_mem_use_abs", "proc.memory_pss_bytes", "CPU", "device", "B", _PH,
            "RAM (PSS) of each process"),
         _f("per_process_mem_use_percent", "proc.memory_frac", "CPU", "device", "%", _PH,
-           "RAM (PSS) of each process, percent of physical memory", 100.0),
+           "RAM (PSS) of each process, percent of physical memory (AIPowerMeter divides by "
+           "the memory in use)", 100.0),
         _f("per_process_mem_use_uss", "proc.memory_uss_bytes", "CPU", "device", "B", _PH,
            "RAM (USS) of each process"),
         _f("per_process_cpu_uses", "proc.cpu_share_frac", "CPU", "device", "%", _PH,
@@ -105,7 +110,8 @@ FIELDS: Final[dict[str, AipmField]] = {
         _f("mem_use_abs", "proc.memory_rss_bytes", "CPU", "device", "B", _PH,
            "RAM (RSS) of each process"),
         _f("mem_use_percent", "proc.memory_frac", "CPU", "device", "%", _PH,
-           "RAM (PSS) of each process, percent of physical memory", 100.0),
+           "RAM (PSS) of each process, percent of physical memory (AIPowerMeter divides by "
+           "the memory in use)", 100.0),
         _f("per_process_cpu_power", "proc.cpu_power_w", "CPU", "device", "W", _PH,
            "CPU power attributed to each process"),
         _f("per_process_dram_power", "proc.dram_power_w", "CPU", "device", "W", _PH,
@@ -129,12 +135,12 @@ FIELDS: Final[dict[str, AipmField]] = {
         _f("per_gpu_absolute_percent_usage", "proc.gpu_sm_frac", "GPU", "per-gpu", "%", _PG,
            "SM use of the tracked processes on each GPU, percent", 100.0),
         _f("per_gpu_estimated_attributable_utilization", "proc.gpu_power_share_frac", "GPU",
-           "device", "1", _PG, "share of each GPU's use by each process (0-1)"),
+           "per-gpu", "1", _PG, "share of each GPU's use by the tracked processes (0-1)"),
         # -- GPU power
         _f("per_gpu_power_draw", "gpu.power_w", "GPU", "device", "W", ("gpu",),
            "power of each GPU"),
-        _f("per_gpu_attributable_power", "proc.attributed_power_w", "GPU", "device", "W", _PG,
-           "GPU power attributed to each process on each GPU"),
+        _f("per_gpu_attributable_power", "proc.attributed_power_w", "GPU", "per-gpu", "W", _PG,
+           "GPU power attributed to the tracked processes on each GPU"),
         _f("nvidia_draw_absolute", "gpu.power_w", "Experiments", "all", "W", ("gpu",),
            "power of all GPUs"),
         _f("nvidia_attributable_power", "proc.attributed_power_w", "Experiments", "all", "W",
@@ -193,8 +199,8 @@ def combine(
     for t, v in parts:
         order = np.argsort(t, kind="stable")
         t, v = t[order], v[order]
-        inside = (times >= t[0]) & (times <= t[-1])
+        lo, hi = np.searchsorted(times, t[0], "left"), np.searchsorted(times, t[-1], "right")
         # relative times: exact in a float64 (absolute ns since the epoch are not)
-        at = (times[inside] - base).astype(np.float64)
-        total[inside] += np.interp(at, (t - base).astype(np.float64), v)
+        at = (times[lo:hi] - base).astype(np.float64)
+        total[lo:hi] += np.interp(at, (t - base).astype(np.float64), v)
     return times, total

@@ -146,9 +146,12 @@ _MISSING_PANDAS = "DataFrames need pandas and pyarrow: pip install 'zeus_async[a
 AIPOWERMETER_METRICS: Final = {name: f.metric for name, f in aipm.FIELDS.items()}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Series:
     """Values of one metric of one device, in file order (time order for one recorder).
+
+    Series compare by identity (their arrays have no single truth value); compare
+    ``t_ns``/``values`` with ``numpy.array_equal``.
 
     Attributes:
         metric: ``"<kind>.<field>"``.
@@ -544,11 +547,16 @@ class Recording:
             raise ConfigError(_MISSING_PANDAS) from exc
         import pyarrow
 
-        nullable_ints = {pyarrow.int64(): pd.Int64Dtype()}
-        return {
-            kind: table.to_pandas(types_mapper=nullable_ints.get)
-            for kind, table in self.to_arrow().items()
-        }
+        from .columns import TYPES_BY_TAG, nullable_int_fields
+
+        as_int64 = {pyarrow.int64(): pd.Int64Dtype()}.get
+        frames: dict[str, pd.DataFrame] = {}
+        for kind, table in self.to_arrow().items():
+            frame = table.to_pandas()
+            for name in nullable_int_fields(TYPES_BY_TAG[kind]):
+                frame[name] = table.column(name).to_pandas(types_mapper=as_int64)
+            frames[kind] = frame
+        return frames
 
     # -- names ---------------------------------------------------------------------------------
 
@@ -559,7 +567,8 @@ class Recording:
             return list(self._where)
         field = aipm.FIELDS.get(metric)
         if field is not None:
-            return self._aipm_devices(field)
+            keys = self._aipm_devices(field)
+            return list(self._per_gpu(keys)) if field.scope == "per-gpu" else keys
         metric = self._check_metric(metric)
         return [d for d in self._where if metric in self._metrics_of(d)]
 
@@ -919,7 +928,11 @@ class Recording:
         if device is not None and device != "all":
             if field.scope == "all":
                 raise ConfigError(f"{field.name!r} covers every device; call it without one")
-            keys = [self._resolve(device, keys)]
+            if field.scope == "per-gpu":
+                groups = self._per_gpu(keys)
+                keys = groups[self._resolve(device, groups)]
+            else:
+                keys = [self._resolve(device, keys)]
         joules = 0.0
         for key in keys:
             if key.startswith("cpu:"):

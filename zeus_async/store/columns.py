@@ -116,6 +116,15 @@ _NULLABLE_INTS: Final = frozenset(
     for name, hint in typing.get_type_hints(cls).items()
     if set(typing.get_args(hint)) == {int, type(None)}
 )
+
+
+def nullable_int_fields(cls: type[Any]) -> list[str]:
+    """The optional integer fields of an event type (``int | None``): nullable ``Int64`` in
+    pandas, where a plain int64 column would turn into floats."""
+    hints = typing.get_type_hints(cls)
+    return [n for n in cls.__struct_fields__ if set(typing.get_args(hints[n])) == {int, type(None)}]
+
+
 #: Fields that identify the device a sample is about (part of its device key).
 ID_FIELDS: Final = {"gpu": ("gpu",), "rapl": ("package", "domain"), "proc": ("pid", "gpu")}
 
@@ -185,9 +194,11 @@ class _Categories:
 
     def codes(self, values: list[str]) -> npt.NDArray[np.int32]:
         index = self.index
-        for v in set(values) - index.keys():
-            index[v] = len(self.names)
-            self.names.append(v)
+        if not set(values) <= index.keys():
+            for v in dict.fromkeys(values):  # new strings in order of first appearance
+                if v not in index:
+                    index[v] = len(self.names)
+                    self.names.append(v)
         if len(index) == 1:
             return np.zeros(len(values), dtype=np.int32)
         return np.fromiter(map(index.__getitem__, values), dtype=np.int32, count=len(values))
@@ -208,7 +219,7 @@ class _KindBuilder:
         self.chunks: dict[str, list[npt.NDArray[Any]]] = {name: [] for name, _ in self.layout}
         # Device identities (see _ident) in order of first appearance, and each row's index
         # into them, computed frame by frame (a few distinct values per frame).
-        self.idents: dict[int, int] = {}
+        self.idents: dict[tuple[int, ...], int] = {}
         self.device_chunks: list[npt.NDArray[np.int32]] = []
         self.count = 0
 
@@ -229,13 +240,13 @@ class _KindBuilder:
             frame[name] = array
         ident = _ident(self.kind, frame)
         first = ident[0]
-        if (ident == first).all():  # one device in the frame: the usual case per kind
-            code = self.idents.setdefault(int(first), len(self.idents))
+        if (ident == first).all():  # one device in the frame
+            code = self.idents.setdefault(tuple(first.tolist()), len(self.idents))
             self.device_chunks.append(np.full(n, code, dtype=np.int32))
         else:
-            uniq, inverse = np.unique(ident, return_inverse=True)
+            uniq, inverse = np.unique(ident, axis=0, return_inverse=True)
             lut = np.array(
-                [self.idents.setdefault(v, len(self.idents)) for v in uniq.tolist()],
+                [self.idents.setdefault(tuple(v), len(self.idents)) for v in uniq.tolist()],
                 dtype=np.int32,
             )
             self.device_chunks.append(lut[inverse.reshape(-1)])
@@ -260,26 +271,27 @@ class _KindBuilder:
 
 
 def _ident(kind: str, columns: dict[str, npt.NDArray[Any]]) -> npt.NDArray[np.int64]:
-    """A 64-bit identity of each row's (host, device); :func:`_decode` reads it back."""
+    """Each row's (host, device) as a row of integers; :func:`_decode` reads one back. Any
+    value an event may hold fits (no packing into one integer that large or negative values
+    could overflow)."""
     host = columns["host"].astype(np.int64)
     if kind == "gpu":
-        gpu: npt.NDArray[np.int64] = columns["gpu"]
-        return (host << 40) | gpu
+        return np.stack([host, columns["gpu"]], axis=1)
     if kind == "rapl":
-        return (host << 40) | (columns["package"] << 16) | columns["domain"].astype(np.int64)
+        return np.stack([host, columns["package"], columns["domain"].astype(np.int64)], axis=1)
     on = columns["gpu"]
-    on_gpu = np.where(np.isnan(on), 0, on + 1).astype(np.int64)
-    return (host << 48) | (columns["pid"] << 16) | on_gpu
+    off = np.isnan(on)
+    gpu = np.where(off, 0, on).astype(np.int64)
+    return np.stack([host, columns["pid"], (~off).astype(np.int64), gpu], axis=1)
 
 
-def _decode(kind: str, v: int, categories: dict[str, list[str]]) -> tuple[int, str]:
-    """(host code, device key) of an identity from :func:`_ident`."""
+def _decode(kind: str, row: tuple[int, ...], categories: dict[str, list[str]]) -> tuple[int, str]:
+    """(host code, device key) of an identity row from :func:`_ident`."""
     if kind == "gpu":
-        return v >> 40, f"gpu:{v & (2**40 - 1)}"
+        return row[0], f"gpu:{row[1]}"
     if kind == "rapl":
-        return v >> 40, f"cpu:{(v >> 16) & (2**24 - 1)}/{categories['domain'][v & 0xFFFF]}"
-    pid, g = (v >> 16) & (2**32 - 1), v & 0xFFFF
-    return v >> 48, f"proc:{pid}" + (f"/gpu:{g - 1}" if g else "")
+        return row[0], f"cpu:{row[1]}/{categories['domain'][row[2]]}"
+    return row[0], f"proc:{row[1]}" + (f"/gpu:{row[3]}" if row[2] else "")
 
 
 @dataclass
@@ -310,8 +322,10 @@ def _frames_into(
     others: list[Event] | None,
     counts: dict[str, int],
     kinds: Collection[str] | None = None,
+    stream_hosts: set[str] | None = None,
 ) -> Iterator[None]:
-    """Read frames into the builders (and ``others``); yields after each frame."""
+    """Read frames into the builders (and ``others``, and the hosts of StreamInfo events into
+    ``stream_hosts``); yields after each frame."""
     ticker = ProgressTicker(reader, progress)
     for batch in reader.batches(kinds=kinds):
         present = set(map(type, batch))
@@ -322,8 +336,11 @@ def _frames_into(
             kind = SAMPLE_TYPES.get(cls)
             if kind is not None:
                 builders[kind].add(group)
-            elif others is not None:
+                continue
+            if others is not None:
                 others.extend(group)
+            if stream_hosts is not None and tag == "stream":
+                stream_hosts.update(e.host for e in group)
         ticker.tick()
         yield None
     ticker.finish()
@@ -381,11 +398,12 @@ def load_columns(
     builders = {kind: _KindBuilder(kind, hosts) for kind in SAMPLE_KINDS}
     others: list[Event] = []
     counts: dict[str, int] = {}
-    for _ in _frames_into(reader, progress, builders, others if keep_others else None, counts):
+    stream_hosts: set[str] = set()
+    kept = others if keep_others else None
+    for _ in _frames_into(reader, progress, builders, kept, counts, stream_hosts=stream_hosts):
         pass
     if several_hosts is None:
-        stream_hosts = {getattr(e, "host", None) for e in others if _tag(type(e)) == "stream"}
-        several_hosts = len(set(hosts.names) | (stream_hosts - {None})) > 1
+        several_hosts = len(set(hosts.names) | stream_hosts) > 1
     tables = _finish_tables(builders, hosts, several_hosts)
     return ColumnarLoad(tables, others, list(hosts.names), dict(sorted(counts.items())))
 
@@ -431,8 +449,11 @@ def sample_table_to_arrow(table: SampleTable) -> pa.Table:
         names.append(name)
         arrays.append(array)
     names.append("device")
-    unique = list(dict.fromkeys(table.keys))
-    to_unique = np.array([unique.index(k) for k in table.keys], dtype=np.int32)
+    position: dict[str, int] = {}
+    for k in table.keys:
+        position.setdefault(k, len(position))
+    unique = list(position)
+    to_unique = np.array([position[k] for k in table.keys], dtype=np.int32)
     arrays.append(_dictionary(pa, to_unique[table.device], unique))
     return pa.Table.from_arrays(arrays, names=names)
 
@@ -482,7 +503,21 @@ def event_table(events: Iterable[Event], cls: type[Any]) -> pa.Table:
     return pa.Table.from_arrays(arrays, names=names)
 
 
-_TYPES_BY_TAG: Final = {_tag(cls): cls for cls in EVENT_TYPES}
+#: Every event type, by tag.
+TYPES_BY_TAG: Final = {_tag(cls): cls for cls in EVENT_TYPES}
+
+
+def _empty_table(tag: str) -> pa.Table:
+    """A table of kind ``tag`` with no rows, its columns typed as a full one's."""
+    if tag in LAYOUTS:
+        hosts = _Categories()
+        builder = _KindBuilder(tag, hosts)
+        columns = builder.take()
+        columns.pop("")
+        categories: dict[str, list[str]] = {name: [] for name in builder.cats}
+        empty = SampleTable(tag, columns, categories, np.empty(0, dtype=np.int32), [], [])
+        return sample_table_to_arrow(empty)
+    return event_table([], TYPES_BY_TAG[tag])
 
 
 def to_arrow(load: ColumnarLoad) -> dict[str, pa.Table]:
@@ -492,7 +527,7 @@ def to_arrow(load: ColumnarLoad) -> dict[str, pa.Table]:
     for event in load.others:
         grouped.setdefault(_tag(type(event)), []).append(event)
     for tag, events in grouped.items():
-        out[tag] = event_table(events, _TYPES_BY_TAG[tag])
+        out[tag] = event_table(events, TYPES_BY_TAG[tag])
     return out
 
 
@@ -529,9 +564,15 @@ def export_parquet(
     Returns:
         Rows written per kind.
 
+    Every output file is claimed before anything is written: without ``overwrite``, an
+    existing ``<kind>.parquet`` of any kind that may be written refuses the whole export; with
+    it, the ``<kind>.parquet`` files of an earlier export into the same directory are replaced
+    or removed, so the directory holds this recording's kinds only. A single-kind export
+    without events of that kind writes an empty table (its columns typed).
+
     Raises:
-        ConfigError: pyarrow missing, an unknown kind, an output that exists (without
-            ``overwrite``) or is the recording.
+        ConfigError: pyarrow missing, an unknown kind, an output that is the recording.
+        FileExistsError: An output file exists and ``overwrite`` is false.
     """
     _pyarrow()
     import pyarrow.parquet as pq
@@ -540,10 +581,10 @@ def export_parquet(
 
     wanted = [kinds] if isinstance(kinds, str) else (list(kinds) if kinds is not None else None)
     if wanted is not None:
-        unknown = sorted(set(wanted) - _TYPES_BY_TAG.keys())
+        unknown = sorted(set(wanted) - TYPES_BY_TAG.keys())
         if unknown:
             raise ConfigError(
-                f"unknown event kind(s) {unknown}; known: {', '.join(sorted(_TYPES_BY_TAG))}"
+                f"unknown event kind(s) {unknown}; known: {', '.join(sorted(TYPES_BY_TAG))}"
             )
     out = Path(path_out)
     single = wanted is not None and len(wanted) == 1 and out.suffix == ".parquet"
@@ -555,6 +596,14 @@ def export_parquet(
     def target(kind: str) -> Path:
         return out if single else out / f"{kind}.parquet"
 
+    for tag in wanted if wanted is not None else TYPES_BY_TAG:
+        claim_output(target(tag), inputs=[path_in], overwrite=overwrite, what="Parquet export")
+    if not single:
+        for tag in TYPES_BY_TAG:
+            stale = target(tag)
+            if stale.is_file():
+                stale.unlink()  # claimed above: overwrite is on
+
     reader = RecordingReader(path_in)
     hosts = _Categories()
     builders = {kind: _KindBuilder(kind, hosts) for kind in SAMPLE_KINDS}
@@ -562,16 +611,12 @@ def export_parquet(
     counts: dict[str, int] = {}
     writers: dict[str, Any] = {}
     written: dict[str, int] = {}
-    claimed: set[str] = set()
 
     def write(tag: str, table: Any) -> None:
         writer = writers.get(tag)
         if writer is None:
-            path = target(tag)
-            if tag not in claimed:
-                claim_output(path, inputs=[path_in], overwrite=overwrite, what="Parquet export")
-                claimed.add(tag)
-            writer = writers[tag] = pq.ParquetWriter(path, table.schema, compression="zstd")
+            writer = pq.ParquetWriter(target(tag), table.schema, compression="zstd")
+            writers[tag] = writer
         elif not table.schema.equals(writer.schema):
             table = table.cast(writer.schema)
         writer.write_table(table)
@@ -586,7 +631,7 @@ def export_parquet(
             grouped.setdefault(_tag(type(event)), []).append(event)
         others.clear()
         for tag, events in grouped.items():
-            write(tag, event_table(events, _TYPES_BY_TAG[tag]))
+            write(tag, event_table(events, TYPES_BY_TAG[tag]))
 
     try:
         pending = 0
@@ -597,6 +642,10 @@ def export_parquet(
                 pending = 0
         if pending or not written:
             flush()
+        if single and not written:
+            assert wanted is not None
+            (tag,) = wanted
+            write(tag, _empty_table(tag))
     finally:
         for writer in writers.values():
             writer.close()
