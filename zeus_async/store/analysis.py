@@ -88,7 +88,16 @@ from ..events import (
     event_to_json,
 )
 from . import aipowermeter as aipm
-from .columns import LAYOUTS, SAMPLE_TYPES, SampleTable, load_columns
+from .columns import (
+    LAYOUTS,
+    SAMPLE_TYPES,
+    TYPES_BY_TAG,
+    ColumnarLoad,
+    SampleTable,
+    load_columns,
+    nullable_int_fields,
+    to_arrow,
+)
 from .format import RecordingHeader
 from .progress import PROGRESS_EVERY, Progress, ProgressTicker
 from .reader import RecordingReader, RecoveryReport, event_device
@@ -530,8 +539,6 @@ class Recording:
         Raises:
             ConfigError: pyarrow is not installed (``pip install 'zeus_async[arrow]'``).
         """
-        from .columns import ColumnarLoad, to_arrow
-
         return to_arrow(ColumnarLoad(self._tables, self._others, self._hosts, self._kinds))
 
     def to_pandas(self) -> dict[str, pd.DataFrame]:
@@ -546,8 +553,6 @@ class Recording:
         except ImportError as exc:
             raise ConfigError(_MISSING_PANDAS) from exc
         import pyarrow
-
-        from .columns import TYPES_BY_TAG, nullable_int_fields
 
         as_int64 = {pyarrow.int64(): pd.Int64Dtype()}.get
         frames: dict[str, pd.DataFrame] = {}

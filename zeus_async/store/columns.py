@@ -244,7 +244,12 @@ class _KindBuilder:
             code = self.idents.setdefault(tuple(first.tolist()), len(self.idents))
             self.device_chunks.append(np.full(n, code, dtype=np.int32))
         else:
-            uniq, inverse = np.unique(ident, axis=0, return_inverse=True)
+            packed = _packed(ident)
+            if packed is not None:  # the usual case: a 1-D unique, far cheaper than axis=0
+                _, first_rows, inverse = np.unique(packed, return_index=True, return_inverse=True)
+                uniq = ident[first_rows]
+            else:
+                uniq, inverse = np.unique(ident, axis=0, return_inverse=True)
             lut = np.array(
                 [self.idents.setdefault(tuple(v), len(self.idents)) for v in uniq.tolist()],
                 dtype=np.int32,
@@ -252,8 +257,9 @@ class _KindBuilder:
             self.device_chunks.append(lut[inverse.reshape(-1)])
         self.count += n
 
-    def take(self) -> dict[str, npt.NDArray[Any]]:
-        """The columns of everything added so far (and forget the chunks)."""
+    def take(self) -> tuple[dict[str, npt.NDArray[Any]], npt.NDArray[np.int32]]:
+        """The columns of everything added so far, and each row's device (index into
+        :attr:`idents`); the chunks are forgotten."""
         out: dict[str, npt.NDArray[Any]] = {}
         for name, storage in self.layout:
             chunks = self.chunks[name]
@@ -264,10 +270,10 @@ class _KindBuilder:
                 out[name] = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
             chunks.clear()
         device = self.device_chunks
-        out[""] = np.concatenate(device) if device else np.empty(0, dtype=np.int32)
+        codes = np.concatenate(device) if device else np.empty(0, dtype=np.int32)
         device.clear()
         self.count = 0
-        return out
+        return out, codes
 
 
 def _ident(kind: str, columns: dict[str, npt.NDArray[Any]]) -> npt.NDArray[np.int64]:
@@ -283,6 +289,21 @@ def _ident(kind: str, columns: dict[str, npt.NDArray[Any]]) -> npt.NDArray[np.in
     off = np.isnan(on)
     gpu = np.where(off, 0, on).astype(np.int64)
     return np.stack([host, columns["pid"], (~off).astype(np.int64), gpu], axis=1)
+
+
+def _packed(ident: npt.NDArray[np.int64]) -> npt.NDArray[np.int64] | None:
+    """Identity rows packed into one integer each, the same rows giving the same integer, when
+    their values are non-negative and fit together in 62 bits; else ``None``."""
+    if int(ident.min()) < 0:
+        return None
+    bits = [int(m).bit_length() for m in ident.max(axis=0).tolist()]
+    if sum(bits) > 62:
+        return None
+    packed: npt.NDArray[np.int64] = ident[:, 0].copy()
+    for j in range(1, ident.shape[1]):
+        packed <<= bits[j]
+        packed |= ident[:, j]
+    return packed
 
 
 def _decode(kind: str, row: tuple[int, ...], categories: dict[str, list[str]]) -> tuple[int, str]:
@@ -356,8 +377,7 @@ def _finish_tables(
             continue
         categories = {name: list(c.names) for name, c in builder.cats.items()}
         idents = list(builder.idents)
-        columns = builder.take()
-        codes = columns.pop("")
+        columns, codes = builder.take()
         parts = [_decode(kind, v, categories) for v in idents]
         keys = [f"{key}@{hosts.names[h]}" if several else key for h, key in parts]
         order = sorted(
@@ -512,8 +532,7 @@ def _empty_table(tag: str) -> pa.Table:
     if tag in LAYOUTS:
         hosts = _Categories()
         builder = _KindBuilder(tag, hosts)
-        columns = builder.take()
-        columns.pop("")
+        columns, _ = builder.take()
         categories: dict[str, list[str]] = {name: [] for name in builder.cats}
         empty = SampleTable(tag, columns, categories, np.empty(0, dtype=np.int32), [], [])
         return sample_table_to_arrow(empty)
