@@ -609,7 +609,12 @@ def export_parquet(
     single = wanted is not None and len(wanted) == 1 and out.suffix == ".parquet"
     if not single:
         if out.exists() and not out.is_dir():
-            raise ConfigError(f"{out} is a file: Parquet export of several kinds needs a directory")
+            # The recording itself (or a part of it) is refused as such, before anything else.
+            claim_output(out, inputs=[path_in], overwrite=True, what="Parquet export")
+            raise ConfigError(
+                f"{out} is a file: a Parquet export goes to a directory (a <kind>.parquet per "
+                "kind), or, with a single kind, to a file named *.parquet"
+            )
         out.mkdir(parents=True, exist_ok=True)
 
     def target(kind: str) -> Path:
