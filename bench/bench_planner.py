@@ -35,6 +35,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,9 +79,17 @@ def synthetic_profile(stages: int, seed: int, forward_ms: float = 30.0) -> Instr
 
 
 def run_lowtime(
-    profile: InstructionProfile, schedule: PipelineSchedule, p_block: float, unit_time: float
+    profile: InstructionProfile,
+    schedule: PipelineSchedule,
+    p_block: float,
+    unit_time: float,
+    on_plan: Callable[[int, float, dict[OpKey, int]], None] | None = None,
 ) -> tuple[list[dict[OpKey, int]], float, float]:
-    """lowtime's frontier as Perseus computes it: (plans, setup seconds, solver seconds)."""
+    """lowtime's frontier as Perseus computes it: (plans, setup seconds, solver seconds).
+
+    ``on_plan(index, solver_seconds_so_far, plan)`` sees each plan as lowtime produces it (a
+    long run leaves a checked prefix behind); its own time is not counted as lowtime's.
+    """
     import networkx as nx
     from lowtime.cost_model import ExponentialModel
     from lowtime.graph_utils import add_sink_node, add_source_node
@@ -141,9 +150,18 @@ def run_lowtime(
     started = time.perf_counter()
     solver = PhillipsDessouky(dag)
     plans = [{k: i.assigned_knob for k, i in insts.items()}]  # the slowest plan it starts from
+    paused = 0.0
+    if on_plan is not None:
+        mark = time.perf_counter()
+        on_plan(0, mark - started, plans[0])
+        paused += time.perf_counter() - mark
     for _ in solver.run():
         plans.append({k: i.assigned_knob for k, i in insts.items()})
-    return plans, setup_s, time.perf_counter() - started
+        if on_plan is not None:
+            mark = time.perf_counter()
+            on_plan(len(plans) - 1, mark - started - paused, plans[-1])
+            paused += time.perf_counter() - mark
+    return plans, setup_s, time.perf_counter() - started - paused
 
 
 def run_case(kind: str, stages: int, microbatches: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -159,7 +177,27 @@ def run_case(kind: str, stages: int, microbatches: int, args: argparse.Namespace
         file=sys.stderr,
     )
     gc.collect()
-    plans, setup_s, solve_s = run_lowtime(profile, schedule, args.p_block, args.unit_time)
+    on_plan: Callable[[int, float, dict[OpKey, int]], None] | None = None
+    if args.progress is not None:
+        progress = args.progress.open("a", buffering=1)
+
+        def record(index: int, solve_s: float, plan: dict[OpKey, int]) -> None:
+            deadline, energy = evaluate(profile, schedule, plan, p_block_w=args.p_block)
+            ours = frontier.pick(deadline)
+            row = {
+                "case": f"{kind} {stages}x{microbatches}",
+                "plan": index,
+                "lowtime_solve_s": round(solve_s, 3),
+                "deadline_s": deadline,
+                "lowtime_j": energy,
+                "ours_j": ours.energy_j,
+                "ratio": ours.energy_j / energy,
+                "missed": ours.iteration_time_s > deadline,
+            }
+            progress.write(json.dumps(row) + "\n")
+
+        on_plan = record
+    plans, setup_s, solve_s = run_lowtime(profile, schedule, args.p_block, args.unit_time, on_plan)
     lowtime_s = setup_s + solve_s
 
     inexact = sum(
@@ -218,6 +256,12 @@ def main() -> int:
         help="e.g. 1f1b:8x32,gpipe:4x8 (default: 1F1B 4x8, GPipe 4x8, 1F1B 8x16)",
     )
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--progress",
+        type=Path,
+        default=None,
+        help="append one JSON line per lowtime plan as it is found (deadline, energies, ratio)",
+    )
     args = parser.parse_args()
 
     import lowtime
