@@ -5,7 +5,9 @@ A rank runs one pipeline stage's plan (1F1B, 4 stages x 8 microbatches, stage 1,
 :class:`PipelineFrequencyOptimizer` on a simulated GPU whose clock changes take
 ``set_clock_latency_s`` (the NVML set latency assumed). Forward instructions take 20 ms and
 backward 40 ms (sleeps standing for GPU work), with ``gap`` ms of pipeline communication between
-instructions. The truth is the simulated GPU's locked clock at each instruction's start.
+instructions. The truth is the simulated GPU's locked clock, read as each instruction starts
+("at start") and every millisecond of its work until it ends ("throughout": a change landing
+mid-instruction counts against it).
 
 For each latency and gap: ``clock_wait_s=0`` (clocks set ahead, never waited for) beside the
 default (set ahead, and waited for up to 50 ms at the instruction's start): the share on time,
@@ -50,7 +52,7 @@ def run(
     wait_s: float,
     iters: int,
     lower: bool = True,
-) -> tuple[float, float, float]:
+) -> tuple[float, float, float, float]:
     tmp = Path(tempfile.mkdtemp(prefix="pfo-clocks-"))
     path = tmp / "plan.json"
     path.write_text(json.dumps([plan]))
@@ -71,14 +73,19 @@ def run(
             tp_degree=1, world_size=1, server_url=ep, monitor=monitor, warmup_iters=10**6,
             restore_on_signals=False, clock_wait_s=wait_s, wait_for_lower_clocks=lower,
         )  # fmt: skip
-        truth = []
+        at_start: list[bool] = []
+        throughout: list[bool] = []
         pause = threading.Event()
         for _ in range(iters):
             pfo.on_step_begin()
             for name, mhz in plan:
                 pfo.on_instruction_begin(name)
-                truth.append(gpu.locked_sm_clocks_mhz == (mhz, mhz))
-                pause.wait(0.02 if name == "forward" else 0.04)
+                seen = {gpu.locked_sm_clocks_mhz}
+                at_start.append(seen == {(mhz, mhz)})
+                for _ in range(20 if name == "forward" else 40):  # its GPU work, 1 ms steps
+                    pause.wait(0.001)
+                    seen.add(gpu.locked_sm_clocks_mhz)
+                throughout.append(seen == {(mhz, mhz)})
                 pfo.on_instruction_end(name)
                 if gap_s:
                     pause.wait(gap_s)
@@ -86,7 +93,8 @@ def run(
         stats = pfo.clock_stats
         pfo.close()
         monitor.close()
-    return sum(truth) / len(truth), stats.on_time_frac, stats.waited_s / iters
+    n = len(at_start)
+    return sum(at_start) / n, sum(throughout) / n, stats.on_time_frac, stats.waited_s / iters
 
 
 def main() -> None:
@@ -103,8 +111,8 @@ def main() -> None:
         f"iteration, {busy * 1e3:.0f} ms of GPU work; {args.iters} iterations per run"
     )
     print(
-        f"{'latency ms':>10}{'gap ms':>8}  {'policy':<26}{'on time (GPU)':>14}"
-        f"{'counted':>9}{'waited ms/iter':>16}{'overhead':>10}"
+        f"{'latency ms':>10}{'gap ms':>8}  {'policy':<26}{'GPU at start':>13}"
+        f"{'throughout':>11}{'counted':>9}{'waited ms/iter':>16}{'overhead':>10}"
     )
     for latency in (float(x) for x in args.latencies.split(",")):
         for gap in (float(x) for x in args.gaps.split(",")):
@@ -114,12 +122,13 @@ def main() -> None:
                 ("+ wait for all (default)", 0.05, True),
             )
             for label, wait, lower in policies:
-                truth, counted, waited = run(
+                start, whole, counted, waited = run(
                     plan, latency / 1e3, gap / 1e3, wait, args.iters, lower
                 )
                 base = busy + gap / 1e3 * len(plan)
                 print(
-                    f"{latency:>10g}{gap:>8g}  {label:<26}{truth:>14.1%}{counted:>9.1%}"
+                    f"{latency:>10g}{gap:>8g}  {label:<26}{start:>13.1%}{whole:>11.1%}"
+                    f"{counted:>9.1%}"
                     f"{waited * 1e3:>16.1f}{waited / base:>10.1%}"
                 )
     time.sleep(0)

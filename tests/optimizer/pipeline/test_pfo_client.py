@@ -15,7 +15,9 @@ from zeus_async.errors import ConfigError
 from zeus_async.events import ClockChange
 from zeus_async.optimizer.pipeline import (
     FrequencyController,
+    JobInfo,
     PfoClient,
+    PfoServerError,
     PipelineFrequencyOptimizer,
     load_prof,
 )
@@ -196,6 +198,17 @@ def test_registration_errors_are_clear(tmp_path: Path) -> None:
                 rank=0, dp_rank=0, pp_rank=0, tp_rank=0, device_id=0, dp_degree=1, pp_degree=1,
                 tp_degree=2, world_size=1, server_url=ep,
             )  # fmt: skip
+    with running_server(tmp_path, scheduler="PointSolution", scheduler_args=args, max_jobs=1) as (
+        _,
+        ep,
+    ):
+        PfoClient(ep).register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
+        with pytest.raises(PfoServerError) as full:  # the server's code reaches the rank
+            PipelineFrequencyOptimizer(
+                rank=0, dp_rank=0, pp_rank=0, tp_rank=0, device_id=0, dp_degree=1, pp_degree=1,
+                tp_degree=1, world_size=1, server_url=ep,
+            )  # fmt: skip
+        assert full.value.code == "busy" and "maximum of 1 jobs" in full.value.message
     with pytest.raises(TimeoutError, match="no reply from the PFO server"):
         PfoClient("tcp://127.0.0.1:9", timeout_s=0.3).info()
     with pytest.raises(ConfigError, match="tcp://host:port"):
@@ -248,12 +261,18 @@ ALTERNATING = [("forward", 1500), ("forward", 990), ("backward", 1500), ("backwa
 
 
 def _run_alternating(
-    tmp_path: Path, *, clock_wait_s: float, gap_s: float, latency_s: float = 0.02
+    tmp_path: Path,
+    *,
+    clock_wait_s: float,
+    gap_s: float,
+    latency_s: float = 0.02,
+    wait_for_lower_clocks: bool = True,
 ) -> tuple[PipelineFrequencyOptimizer, list[bool], list[object]]:
     """Four instructions of 5 ms per iteration, every one at another clock, on a simulated GPU
     whose clock changes take ``latency_s``; ``gap_s`` of pipeline communication between
     instructions. Returns the optimizer (closed), whether the simulated GPU's clock was the
-    planned one as each instruction started, and the clock events published."""
+    planned one throughout each instruction (read as it starts, every millisecond of its work
+    and as it ends), and the clock events published."""
     from zeus_async.devices.sim import SimConfig
     from zeus_async.events import OptimizerState
 
@@ -277,14 +296,18 @@ def _run_alternating(
             rank=0, dp_rank=0, pp_rank=0, tp_rank=0, device_id=0, dp_degree=1, pp_degree=1,
             tp_degree=1, world_size=1, server_url=ep, monitor=monitor, warmup_iters=1000,
             restore_on_signals=False, clock_wait_s=clock_wait_s, stats_every=5,
+            wait_for_lower_clocks=wait_for_lower_clocks,
         )  # fmt: skip
         truth = []
         for _ in range(10):
             pfo.on_step_begin()
             for name, mhz in ALTERNATING:
                 pfo.on_instruction_begin(name)
-                truth.append(gpu.locked_sm_clocks_mhz == (mhz, mhz))
-                threading.Event().wait(0.005)  # the instruction's GPU work
+                seen = {gpu.locked_sm_clocks_mhz}
+                for _ in range(5):  # the instruction's GPU work, 5 ms
+                    threading.Event().wait(0.001)
+                    seen.add(gpu.locked_sm_clocks_mhz)
+                truth.append(seen == {(mhz, mhz)})
                 pfo.on_instruction_end(name)
                 threading.Event().wait(gap_s)  # sending activations, receiving gradients
             pfo.on_step_end()
@@ -332,3 +355,17 @@ def test_clocks_that_land_late_are_counted_and_warned_about(
     assert events[-1].values["late"] + events[-1].values["missed"] >= 20
     warned = [r.getMessage() for r in caplog.records if "planned clock" in r.getMessage()]
     assert warned and "raise clock_wait_s" in warned[0]
+
+
+def test_a_clock_with_another_change_on_its_way_is_not_counted_on_time(tmp_path: Path) -> None:
+    # Waiting for higher clocks only: a lower clock is set and not waited for; the next
+    # instruction's (higher) clock may then be the one in force while the lower one is still
+    # on its way, and that one lands mid-instruction. Counted on time, it would not have run
+    # at its clock throughout.
+    pfo, truth, _ = _run_alternating(
+        tmp_path, clock_wait_s=0.1, gap_s=0.0, wait_for_lower_clocks=False
+    )
+    stats = pfo.clock_stats
+    assert stats.instructions == 40
+    assert stats.on_time <= sum(truth), (stats, sum(truth))
+    assert stats.late + stats.missed >= 15  # the lower clocks, never waited for

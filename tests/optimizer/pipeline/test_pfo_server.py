@@ -175,6 +175,11 @@ def test_error_replies_and_server_keeps_serving(
     assert any(m.startswith("reply error bad_rank: ") for m in said)
     assert any(m.startswith("reply ") and "error" not in m for m in said)
     assert any(m.startswith("bad request (") for m in said)
+    # ... and never a token: not the one it handed out, nor the ones the requests carried.
+    token = c.tokens[job]
+    assert any("JobRegistered(" in m and "<hidden>" in m for m in said)
+    assert any(m.startswith("request RegisterRank(") and "<hidden>" in m for m in said)
+    assert not [m for m in said if token in m]
 
 
 def test_scheduler_failure_is_reported_to_waiting_ranks_only(tmp_path: Path) -> None:

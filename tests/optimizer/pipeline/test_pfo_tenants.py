@@ -81,13 +81,21 @@ def test_jobs_are_opened_only_by_their_token(tmp_path: Path) -> None:
         thief = PfoClient(ep, timeout_s=10)
         listing = thief.info()
         assert listing.jobs == [] and listing.jobs_total == 1  # no job ids without a token
-        assert _code(thief.info, job) == "forbidden"
-        assert _code(thief.register_rank, job, _rank(1)) == "forbidden"  # take over rank 1
-        assert _code(thief.get_schedule, job, 0) == "forbidden"
+        # Refused exactly as a job that does not exist is: probing reveals no job ids.
+        unknown = "1999-01-01-00-00-00+dp1+pp2+tp1+PointSolution+victim"
+        with pytest.raises(PfoServerError) as nothing:
+            thief.info(unknown)
+        with pytest.raises(PfoServerError) as refused:
+            thief.info(job)
+        assert refused.value.code == nothing.value.code == "unknown_job"
+        assert refused.value.message == nothing.value.message.replace(unknown, job)
+        assert _code(thief.register_rank, job, _rank(1)) == "unknown_job"  # take over rank 1
+        assert _code(thief.get_schedule, job, 0) == "unknown_job"
         thief.join(job, "a-guess")
-        assert _code(thief.get_schedule, job, 0) == "forbidden"
+        assert _code(thief.get_schedule, job, 0) == "unknown_job"
         stolen = result_for(p.FrequencySchedule(rank=0, frequencies=[]))
-        assert _code(thief.report, job, stolen) == "forbidden"
+        assert _code(thief.report, job, stolen) == "unknown_job"
+        thief.leave(job, 0)  # a forged goodbye ends nothing (and gets no answer)
         # None of it touched the job: the tenant's ranks go on to the final schedule.
         rank1.register_rank(job, _rank(1))
         ranks = (rank0, rank1)
@@ -99,6 +107,62 @@ def test_jobs_are_opened_only_by_their_token(tmp_path: Path) -> None:
         assert rank0.info(job).jobs[0].ranks_registered == 2
         admin = PfoClient(ep, timeout_s=10, admin_token=ADMIN)
         assert [j.job_id for j in admin.info().jobs] == [job]
+        # The job ends when both its ranks have left (as their optimizers close).
+        rank0.leave(job, 0)
+        assert _wait_for(lambda: admin.info().jobs_total == 1) and admin.info().jobs != []
+        rank1.leave(job, 1)
+        assert _wait_for(lambda: admin.info().jobs_total == 0)
+    finally:
+        _stop(server)
+
+
+def _wait_for(condition: object, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_jobs_that_end_free_their_client_and_memory_is_bounded(tmp_path: Path) -> None:
+    # 2 jobs per client; 0.3 MiB of ranks and results per client.
+    server, ep = _server(tmp_path, "--max-jobs-per-client", "2", "--max-client-mib", "0.3")
+    try:
+        admin = PfoClient(ep, timeout_s=10, admin_token=ADMIN)
+        for round_ in range(3):  # jobs that end make room: 6 jobs in turn, 2 at most at once
+            clients = [PfoClient(ep, timeout_s=10) for _ in range(2)]
+            jobs = [c.register_job(_job(f"run{round_}-{i}")) for i, c in enumerate(clients)]
+            if round_ == 0:
+                err = _code(PfoClient(ep, timeout_s=10).register_job, _job())
+                assert err == "busy"
+            for c, job in zip(clients, jobs, strict=True):
+                other = PfoClient(ep, timeout_s=10)  # rank 1, given the id and token by rank 0
+                other.join(job, c.tokens[job])
+                c.register_rank(job, _rank(0))
+                other.register_rank(job, _rank(1))
+                c.leave(job, 0)
+                other.leave(job, 1)
+            assert _wait_for(lambda: admin.info().jobs_total == 0), admin.info()
+
+        # A rank listing more clocks than any GPU has is refused as it decodes.
+        tenant = PfoClient(ep, timeout_s=10)
+        job = tenant.register_job(JobInfo(pp_degree=64, dp_degree=1, tp_degree=1, world_size=64))
+        many = RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=[1])
+        many.available_frequencies = list(range(2000, 0, -1))  # past MAX_CLOCKS (1024)
+        assert _code(tenant.register_rank, job, many) == "bad_request"
+        # Ranks of 1,024 clocks (~46 kB held each): the client's 0.3 MiB fills after 6.
+        big = list(range(2024, 1000, -1))
+        registered = 0
+        with pytest.raises(PfoServerError) as err:
+            for r in range(64):
+                tenant.register_rank(
+                    job,
+                    RankInfo(rank=r, dp_rank=0, pp_rank=r, tp_rank=0, available_frequencies=big),
+                )
+                registered += 1
+        assert err.value.code == "busy" and "max_client_mib" in err.value.message
+        assert registered == 6
     finally:
         _stop(server)
 
@@ -119,7 +183,9 @@ def test_floods_are_bounded_and_never_used_jobs_evicted(tmp_path: Path) -> None:
             for _ in range(100):
                 made.append(flooder.register_job(_job()))
         # 5 per client, and this machine's clients all share one address (127.0.0.1).
-        assert err.value.code == "busy" and "already holds 5 jobs" in str(err.value)
+        assert err.value.code == "busy" and "5 jobs are registered from this client" in str(
+            err.value
+        )
         assert len(made) == 4  # the tenant's job counts for this address too
         admin = PfoClient(ep, timeout_s=10, admin_token=ADMIN)
         assert admin.info().jobs_total == 5

@@ -194,11 +194,13 @@ def test_evaluate_validation() -> None:
         ({(0, "recompute"): {1: (1.0, 1.0)}}, "unknown instruction"),
         ({(-1, F): {1: (1.0, 1.0)}}, "stage"),
         ({(0, F): {0: (1.0, 1.0)}}, "frequency"),
-        ({(0, F): {1: (0.0, 1.0)}}, "time must be positive"),
-        ({(0, F): {1: (-1.0, 1.0)}}, "time must be positive"),
-        ({(0, F): {1: (math.inf, 1.0)}}, "time must be positive"),
-        ({(0, F): {1: (1.0, -0.5)}}, "energy must be non-negative"),
-        ({(0, F): {1: (1.0, math.nan)}}, "energy must be non-negative"),
+        ({(0, F): {1: (0.0, 1.0)}}, "time must be above 0"),
+        ({(0, F): {1: (-1.0, 1.0)}}, "time must be above 0"),
+        ({(0, F): {1: (math.inf, 1.0)}}, "time must be above 0"),
+        ({(0, F): {1: (1e308, 1.0)}}, "at most 86400 s"),  # sums over a pipeline: no overflow
+        ({(0, F): {1: (1.0, -0.5)}}, "energy must be within 0..1e"),
+        ({(0, F): {1: (1.0, math.nan)}}, "energy must be within 0..1e"),
+        ({(0, F): {1: (1.0, 1e300)}}, "energy must be within 0..1e"),
     ],
 )
 def test_profile_validation(table: Table, match: str) -> None:

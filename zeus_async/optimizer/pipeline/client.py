@@ -35,7 +35,8 @@ start). After that, nothing on the training thread waits on the server or on NVM
   takes effect at the next ``on_step_begin`` after it arrives (training keeps running the
   current one meanwhile).
 
-Clocks are reset on :meth:`close`, at interpreter exit and on SIGINT/SIGTERM.
+Clocks are reset on :meth:`close`, at interpreter exit and on SIGINT/SIGTERM; then the rank
+leaves the job, and once every rank has left, the server ends it.
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ class PfoServerError(ZeusAsyncError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
+        self.message = message
 
 
 class PfoClient:
@@ -223,6 +225,29 @@ class PfoClient:
         )
         return reply
 
+    def leave(self, job_id: str, rank: int, linger_s: float = 0.5) -> None:
+        """Tell the server this rank stops, and close the client: the job ends once all its
+        ranks have left. Nothing is waited for but the send (at most ``linger_s``; a server
+        that is gone costs that much once)."""
+        request = p.Leave(job_id=job_id, rank=rank, token=self.tokens.get(job_id, ""))
+        self.cancelled.set()
+        if not self._lock.acquire(timeout=1.0):  # a request is stuck: close() will do
+            return
+        try:
+            if self._sock.closed:
+                return
+            self._next_id += 1
+            try:
+                self._sock.send_multipart(
+                    [b"", struct.pack("<Q", self._next_id), p.encoder.encode(request)],
+                    zmq.NOBLOCK,
+                )
+            except zmq.ZMQError as exc:
+                logger.debug("could not tell the PFO server that rank %d leaves: %s", rank, exc)
+            self._sock.close(linger=max(0, int(linger_s * 1000)))
+        finally:
+            self._lock.release()
+
     def close(self) -> None:
         """Close the socket (call from the thread that makes the requests, or after it ends)."""
         self.cancelled.set()
@@ -282,12 +307,19 @@ class FrequencyController:
             return
         future.add_done_callback(lambda f: self._landed(mhz, f))
 
+    def settled(self, mhz: int) -> bool:
+        """Whether ``mhz`` is the clock in force and stays so: it was the last change to land
+        and no other change is on its way (one that would land later, mid-instruction)."""
+        with self._lock:
+            return self.applied == mhz and not self._inflight
+
     def wait_applied(self, mhz: int, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for the clock to be ``mhz``; whether it is."""
+        """Wait up to ``timeout_s`` for the clock to be ``mhz`` with no other change on its
+        way (:meth:`settled`); whether it is."""
         with self._landed_cond:
             return self._landed_cond.wait_for(
-                lambda: self.applied == mhz or self._disabled or self._closed, timeout_s
-            ) and (self.applied == mhz)
+                lambda: self.settled(mhz) or self._disabled or self._closed, timeout_s
+            ) and self.settled(mhz)
 
     def _failed(self, exc: BaseException) -> None:
         with self._lock:
@@ -537,16 +569,21 @@ class PipelineFrequencyOptimizer(ClosedOnExit):
     def _register_job(self, job: JobInfo, world_size: int) -> str:
         job_id: str | None = None
         token = error = ""
+        code = "bad_request"
         if self.rank == 0:
             try:
                 job_id = self._client.register_job(job, min(self._timeout, REGISTER_TIMEOUT_S))
                 token = self._client.tokens[job_id]
             except TimeoutError:
+                code = "unreachable"
                 error = (
                     f"no PFO server answered at {self._client.endpoint} within "
                     f"{min(self._timeout, REGISTER_TIMEOUT_S):g} s (is `zeus-async pfo-server` "
                     "running there?)"
                 )
+            except PfoServerError as exc:  # the server's own code (busy, bad_request, ...)
+                code = exc.code
+                error = f"rank 0 could not register the job: {exc.message}"
             except Exception as exc:
                 error = f"rank 0 could not register the job: {exc}"
         if world_size > 1:
@@ -556,11 +593,10 @@ class PipelineFrequencyOptimizer(ClosedOnExit):
                 raise ConfigError(
                     "create PipelineFrequencyOptimizer after torch.distributed.init_process_group"
                 )
-            box: list[Any] = [(job_id, token, error)]
+            box: list[Any] = [(job_id, token, error, code)]
             dist.broadcast_object_list(box, src=0)
-            job_id, token, error = box[0]
+            job_id, token, error, code = box[0]
         if error or job_id is None:
-            code = "unreachable" if error.startswith("no PFO server answered") else "bad_request"
             raise PfoServerError(code, error or "no job id from rank 0")
         self._client.join(job_id, token)
         return job_id
@@ -643,7 +679,7 @@ class PipelineFrequencyOptimizer(ClosedOnExit):
         if mhz <= 0:  # "leave the clock as it is": nothing planned to count
             self._planned = 0
             return
-        if controller.applied != mhz:
+        if not controller.settled(mhz):
             controller.set_frequency(mhz)
             lower = controller.applied is not None and mhz < controller.applied
             if self.clock_wait_s > 0 and (self.wait_for_lower_clocks or not lower):
@@ -652,7 +688,9 @@ class PipelineFrequencyOptimizer(ClosedOnExit):
                 waited = time.monotonic() - t0
                 self.clock_stats.waited_s += waited
                 self.clock_stats.max_wait_s = max(self.clock_stats.max_wait_s, waited)
-        self._on_time = controller.applied == mhz
+        # On time only if nothing else is on its way: a change sent earlier (for an
+        # instruction since passed) would land while this one runs.
+        self._on_time = controller.settled(mhz)
 
     def _set_ahead(self) -> None:
         """Hand the next instruction's clock to the controller now, so it lands before that
@@ -798,6 +836,7 @@ class PipelineFrequencyOptimizer(ClosedOnExit):
         self._client.cancelled.set()
         if threading.current_thread() is not self._worker:
             self._worker.join(timeout=5.0)
+        self._client.leave(self.job_id, self.rank)  # the job ends once every rank has left
         self._client.close()
         if self._own_monitor:
             self.monitor.close()

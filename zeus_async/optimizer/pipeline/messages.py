@@ -51,6 +51,10 @@ NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 MHz = Annotated[int, msgspec.Meta(gt=0)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
 
+#: The most SM clocks a rank may register (GPUs list a few hundred at most): a bound on what
+#: one registration can make the server hold.
+MAX_CLOCKS = 1024
+
 #: Columns of an instruction profile CSV, in order.
 CSV_COLUMNS = (
     "rank",
@@ -130,7 +134,7 @@ class RankInfo(msgspec.Struct, kw_only=True):
     dp_rank: NonNegInt
     pp_rank: NonNegInt
     tp_rank: NonNegInt
-    available_frequencies: list[MHz]
+    available_frequencies: Annotated[list[MHz], msgspec.Meta(max_length=MAX_CLOCKS)]
 
     def __post_init__(self) -> None:
         for name in ("rank", "dp_rank", "pp_rank", "tp_rank"):
@@ -138,6 +142,8 @@ class RankInfo(msgspec.Struct, kw_only=True):
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.available_frequencies or min(self.available_frequencies) <= 0:
             raise ValueError("available_frequencies must be a non-empty list of positive MHz")
+        if len(self.available_frequencies) > MAX_CLOCKS:
+            raise ValueError(f"available_frequencies lists over {MAX_CLOCKS} clocks")
 
     def check_against(self, job: JobInfo) -> None:
         """Raise ``ValueError`` when this rank cannot belong to ``job``."""
@@ -284,7 +290,12 @@ class InstructionProfilingResult(msgspec.Struct):
             if stage != pp:
                 raise ValueError(f"{source}:{lineno}: stage {stage} differs from pp_rank {pp}")
             tables = by_rank.setdefault((rank, dp, pp, tp), {})
-            tables.setdefault(f"{instr}_time", {})[freq] = time_s
+            times = tables.setdefault(f"{instr}_time", {})
+            if freq in times:
+                raise ValueError(
+                    f"{source}:{lineno}: a second row for rank {rank} {instr} at {freq} MHz"
+                )
+            times[freq] = time_s
             tables.setdefault(f"{instr}_energy", {})[freq] = energy_j
         results = []
         for (rank, dp, pp, tp), tables in sorted(by_rank.items()):

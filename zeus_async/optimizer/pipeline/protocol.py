@@ -17,14 +17,18 @@ request             reply                                 when
 ``report``          ``ok``                                every rank, after running a schedule
 ``info``            ``info``                              any time: the job the token opens; every
                                                           job only with the server's admin token
+``leave``           none                                  every rank, as it stops (``close``); the
+                                                          job ends once all its ranks have left
 ==================  ====================================  =========================================
 
 **Tokens.** ``register_job`` answers with the job's id and a secret token (random, 32 bytes as
 text). Every later request about that job (``register_rank``, ``get_schedule``, ``report``,
 ``info`` of the job) must carry it; rank 0 shares it with the other ranks the way it shares the
-id. A request with a wrong or missing token is refused (``forbidden``) and touches nothing, so
-a client cannot see, take over or disturb another tenant's job. ``info`` without a job lists
-no job ids (only how many jobs there are) unless it carries the server's admin token.
+id. A request with a wrong or missing token is refused and touches nothing, so a client cannot
+see, take over or disturb another tenant's job. It is refused exactly as a request about a job
+that does not exist (``unknown_job``, one message), so probing reveals no job ids either.
+``info`` without a job lists no job ids (only how many jobs there are) unless it carries the
+server's admin token.
 
 Every failure is an ``error`` reply with a machine-readable ``code`` (:data:`ERROR_CODES`) and a
 message; the server goes on serving.
@@ -47,6 +51,7 @@ __all__ = [
     "InfoReply",
     "JobRegistered",
     "JobStatus",
+    "Leave",
     "Ok",
     "RegisterJob",
     "RegisterRank",
@@ -89,7 +94,16 @@ class Info(msgspec.Struct, tag="info", **_OPTS):
     token: str = ""
 
 
-Request = RegisterJob | RegisterRank | GetSchedule | ReportProfile | Info
+class Leave(msgspec.Struct, tag="leave", **_OPTS):
+    """A rank stops (no reply): once every rank of a job has left, the job ends and no longer
+    counts against its client's limits."""
+
+    job_id: str
+    rank: int
+    token: str = ""
+
+
+Request = RegisterJob | RegisterRank | GetSchedule | ReportProfile | Info | Leave
 
 
 class Ok(msgspec.Struct, tag="ok", **_OPTS):
@@ -131,15 +145,14 @@ class InfoReply(msgspec.Struct, tag="info", **_OPTS):
 #: ``code`` of an :class:`ErrorReply`.
 ERROR_CODES: Final = (
     "bad_request",  # not a valid request (decode or validation error)
-    "unknown_job",  # no such job (never registered, or evicted)
+    "unknown_job",  # no job this token opens (never registered, evicted, ended, wrong token)
     "bad_rank",  # rank out of range, or not registered
     "duplicate",  # rank registered twice, result reported twice
     "out_of_order",  # e.g. a schedule asked for before reporting the last one
     "scheduler_error",  # the job's scheduler failed; the job is stopped
     "evicted",  # the job was evicted while the request waited
     "shutdown",  # the server is stopping
-    "forbidden",  # the request's token does not open that job
-    "busy",  # a limit was reached (jobs on the server, or jobs of this client)
+    "busy",  # a limit was reached (jobs or memory, on the server or of this client)
 )
 
 

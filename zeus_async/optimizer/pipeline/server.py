@@ -17,14 +17,17 @@ requests (bad fields, unknown job, a rank registered twice, a schedule asked for
 last result was reported, ...) get an ``error`` reply with a code; a scheduler failure stops
 that job only, and its ranks get the error. Jobs with no request for ``max_job_idle_time``
 seconds are evicted (their waiting requests get an ``evicted`` error), and so are jobs whose
-ranks have not all registered within ``registration_timeout``.
+ranks have not all registered within ``registration_timeout``. A job ends when all its ranks
+have left (``leave``, sent as each rank's optimizer closes).
 
 Tenants share the server safely: a job is opened only by the token its registration returned
-(:mod:`.protocol`); jobs are bounded in total (``max_jobs``) and per client network address
-(``max_jobs_per_client``); each client's unread replies are bounded (:data:`REPLY_QUEUE`
-messages, then dropped and counted) and so is a request's size (:data:`MAX_REQUEST_BYTES`,
-beyond which the client is disconnected); with ``curve_secret`` the socket is a CURVE server,
-as the bus's publishers are.
+(:mod:`.protocol`); jobs are bounded in total (``max_jobs``) and per client
+(``max_jobs_per_client``; a client is its CURVE key when the server checks keys, else its
+network address); so is the memory their ranks and results hold (``max_client_mib``,
+``max_total_mib``, counted as the decoded objects' size); each client's unread replies are
+bounded (:data:`REPLY_QUEUE` messages, then dropped and counted) and so is a request's size
+(:data:`MAX_REQUEST_BYTES`, beyond which the client is disconnected); with ``curve_secret``
+the socket is a CURVE server, as the bus's publishers are. Tokens never reach the log.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ REQUEST_QUEUE = 1000
 
 #: The largest request accepted; a client that sends more is disconnected (a profiling result
 #: of 1,000 instructions x 10 iterations is ~200 kB).
-MAX_REQUEST_BYTES = 64 * 2**20
+MAX_REQUEST_BYTES = 16 * 2**20
 
 _Peer = tuple[bytes, bytes]  # (ROUTER identity, request id)
 
@@ -98,12 +101,34 @@ def _client_of(frame: zmq.Frame) -> str:
 
 
 def _describe(message: object) -> str:
-    """A request or reply for a debug line: its type and fields, long values shortened."""
+    """A request or reply for a debug line: its type and fields, long values shortened, and
+    never a token (a debug log is no place for secrets)."""
+    token: object = getattr(message, "token", None)
+    if isinstance(message, msgspec.Struct) and isinstance(token, str) and token:
+        message = msgspec.structs.replace(message, token="<hidden>")
     text = repr(message)
     return text if len(text) <= 300 else text[:297] + "..."
 
 
 _MAX_METADATA = 100
+
+# What a decoded message holds in memory, per list and per number in it (CPython objects and
+# the list's pointer), for the memory limits; measured with tracemalloc, rounded up.
+_LIST_BYTES = 72
+_NUMBER_BYTES = 44
+_STRUCT_BYTES = 256
+
+
+def _footprint(message: RankInfo | ProfilingResult) -> int:
+    """Bytes ``message`` holds once decoded (an upper estimate, see the constants)."""
+    if isinstance(message, RankInfo):
+        return _STRUCT_BYTES + _LIST_BYTES + _NUMBER_BYTES * len(message.available_frequencies)
+    lists, numbers = 2, len(message.iter_time) + len(message.iter_energy)
+    for breakdown in (message.time_breakdown, message.energy_breakdown):
+        for iterations in breakdown.values():
+            lists += 1 + len(iterations)
+            numbers += sum(len(times) for times in iterations)
+    return _STRUCT_BYTES + _LIST_BYTES * lists + _NUMBER_BYTES * numbers
 
 
 def _check_result(result: ProfilingResult, schedule: FrequencySchedule) -> str:
@@ -143,6 +168,10 @@ class _Job:
     owner: str = ""
     created: float = 0.0
     ranks: dict[int, RankInfo] = field(default_factory=dict)
+    left: set[int] = field(default_factory=set)
+    #: Memory held by the ranks' registrations and by this round's results (bytes).
+    rank_bytes: int = 0
+    result_bytes: int = 0
     all_registered: anyio.Event = field(default_factory=anyio.Event)
     state: str = "registering"  # registering, planning, running, failed
     round: int = -1
@@ -304,15 +333,20 @@ class PfoServer:
             if debug:
                 logger.debug("reply %s", _describe(reply))
             self._send(peer, reply)
-        elif debug:
+        elif debug and isinstance(request, p.GetSchedule):
             logger.debug("parked until its schedule exists")
 
     def _job(self, job_id: str, token: str) -> _Job:
         job = self.jobs.get(job_id)
-        if job is None:
-            raise _Failure("unknown_job", f"no job {job_id!r} on this server")
-        if not hmac.compare_digest(job.token.encode(), token.encode()):
-            raise _Failure("forbidden", f"job {job_id}: wrong or missing token")
+        if job is None or not hmac.compare_digest(job.token.encode(), token.encode()):
+            # One answer for both: a wrong token tells nothing about which job ids exist.
+            if job is not None:
+                self.requests_forbidden += 1
+            raise _Failure(
+                "unknown_job",
+                f"no job {job_id!r} that this token opens (never registered, evicted, ended, "
+                "or the token is another job's)",
+            )
         job.last_active = self._clock()
         if job.state == "failed":
             raise _Failure("scheduler_error", f"job {job_id!r} failed: {job.error}")
@@ -325,10 +359,49 @@ class PfoServer:
             return self._info(request.job_id, request.token)
         job = self._job(request.job_id, request.token)
         if isinstance(request, p.RegisterRank):
-            return self._register_rank(job, request.rank)
+            return self._register_rank(job, request.rank, client)
         if isinstance(request, p.GetSchedule):
             return self._get_schedule(job, request.rank, peer)
-        return self._report(job, request.result)
+        if isinstance(request, p.Leave):
+            self._leave(job, request.rank)
+            return None
+        return self._report(job, request.result, client)
+
+    def _held(self, owner: str | None = None) -> int:
+        """Bytes held by the jobs of ``owner`` (every job's with ``None``)."""
+        return sum(
+            j.rank_bytes + j.result_bytes
+            for j in self.jobs.values()
+            if owner is None or j.owner == owner
+        )
+
+    def _check_memory(self, job: _Job, adding: int) -> None:
+        """Refuse (``busy``) what would take the job's client or the server past its memory
+        limit; the job's owner is charged, whoever sends its ranks' requests."""
+        mib = 2**20
+        limits = self.settings
+        if self._held(job.owner) + adding > limits.max_client_mib * mib:
+            raise _Failure(
+                "busy",
+                f"job {job.info.job_id}: its client's jobs would hold over "
+                f"{limits.max_client_mib:g} MiB of ranks and results (max_client_mib)",
+            )
+        if self._held() + adding > limits.max_total_mib * mib:
+            raise _Failure(
+                "busy",
+                f"job {job.info.job_id}: the server's jobs would hold over "
+                f"{limits.max_total_mib:g} MiB of ranks and results (max_total_mib)",
+            )
+
+    def _leave(self, job: _Job, rank: int) -> None:
+        if rank not in job.ranks:
+            raise _Failure("bad_rank", f"job {job.info.job_id}: rank {rank} has not registered")
+        job.left.add(rank)
+        if len(job.ranks) == job.info.world_size and job.left >= set(job.ranks):
+            self.jobs.pop(job.info.job_id, None)
+            job.scope.cancel()
+            self._fail_parked(job, "evicted", f"job {job.info.job_id} ended")
+            logger.info("job %s ended: all its ranks have left", job.info.job_id)
 
     def _register_job(self, info: JobInfo, client: str = "") -> p.Reply:
         limits = self.settings
@@ -338,8 +411,11 @@ class PfoServer:
         if held >= limits.max_jobs_per_client:
             raise _Failure(
                 "busy",
-                f"this client already holds {held} jobs (the maximum per client; they end when "
-                "their training ends, or after max_job_idle_time)",
+                f"{held} jobs are registered from this client ({client}), the most one client "
+                "may hold (max_jobs_per_client). A job ends when all its ranks close their "
+                f"optimizer, else after {limits.max_job_idle_time:g} s without a request "
+                "(max_job_idle_time); clients are told apart by their CURVE key when the "
+                "server checks keys, else by network address",
             )
         if info.job_id:
             raise _Failure("bad_request", "job_id must be empty when registering a job")
@@ -366,7 +442,7 @@ class PfoServer:
         logger.info("job %s registered (%d ranks) by %s", job_id, info.world_size, client)
         return p.JobRegistered(job_id=job_id, token=token)
 
-    def _register_rank(self, job: _Job, rank: RankInfo) -> p.Reply:
+    def _register_rank(self, job: _Job, rank: RankInfo, client: str = "") -> p.Reply:
         job_id = job.info.job_id
         try:
             rank.check_against(job.info)
@@ -374,6 +450,9 @@ class PfoServer:
             raise _Failure("bad_rank", f"job {job_id}: {exc}") from None
         if rank.rank in job.ranks:
             raise _Failure("duplicate", f"job {job_id}: rank {rank.rank} is already registered")
+        size = _footprint(rank)
+        self._check_memory(job, size)
+        job.rank_bytes += size
         job.ranks[rank.rank] = rank
         if len(job.ranks) == job.info.world_size:
             job.all_registered.set()
@@ -403,7 +482,7 @@ class PfoServer:
         job.last_active = self._clock()
         return p.ScheduleReply(schedule=job.schedules[rank], round=job.round, final=job.final)
 
-    def _report(self, job: _Job, result: ProfilingResult) -> p.Reply:
+    def _report(self, job: _Job, result: ProfilingResult, client: str = "") -> p.Reply:
         job_id = job.info.job_id
         if result.rank not in job.ranks:
             raise _Failure("bad_rank", f"job {job_id}: rank {result.rank} has not registered")
@@ -424,6 +503,9 @@ class PfoServer:
         problem = _check_result(result, job.schedules[result.rank])
         if problem:
             raise _Failure("bad_request", f"job {job_id}: rank {result.rank}: {problem}")
+        size = _footprint(result)
+        self._check_memory(job, size)
+        job.result_bytes += size
         job.results[result.rank] = result
         if len(job.results) == job.info.world_size:
             job.all_reported.set()
@@ -492,6 +574,7 @@ class PfoServer:
                     job.round += 1
                     job.final = scheduler.finished
                     job.schedules, job.fetched, job.results = by_rank, set(), {}
+                    job.result_bytes = 0
                     job.all_reported = anyio.Event()
                     job.state = "done" if job.final else "running"
                     job.last_active = self._clock()

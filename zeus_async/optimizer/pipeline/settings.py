@@ -13,7 +13,10 @@ variable                       meaning                                          
 ``ZEUS_PFO_REGISTRATION_TIMEOUT`` seconds for all of a job's ranks to register, else     600
                                the job is evicted (never-used jobs do not linger)
 ``ZEUS_PFO_MAX_JOBS``          jobs the server holds at most (then ``busy``)           1000
-``ZEUS_PFO_MAX_JOBS_PER_CLIENT`` jobs one client (network address) holds at most        64
+``ZEUS_PFO_MAX_JOBS_PER_CLIENT`` jobs one client holds at most (its CURVE key, else     64
+                               its network address); a job ends when its ranks close
+``ZEUS_PFO_MAX_CLIENT_MIB``    memory one client's jobs may hold (ranks, results), MiB  256
+``ZEUS_PFO_MAX_TOTAL_MIB``     memory all jobs may hold together, MiB                   2048
 ``ZEUS_PFO_ADMIN_TOKEN``       a token whose ``info`` lists every job (empty: none)    ""
 ``ZEUS_PFO_CURVE_SECRET``      the server's CURVE secret certificate (encrypts TCP)    none
 ``ZEUS_PFO_CURVE_ALLOW``       directory of the client certificates allowed            none
@@ -34,6 +37,7 @@ import importlib
 import inspect
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -68,6 +72,8 @@ class PfoSettings(msgspec.Struct, kw_only=True, frozen=True):
     registration_timeout: float = 600.0
     max_jobs: int = 1000
     max_jobs_per_client: int = 64
+    max_client_mib: float = 256.0
+    max_total_mib: float = 2048.0
     admin_token: str = ""
     curve_secret: str | None = None
     curve_allow: str | None = None
@@ -83,6 +89,10 @@ class PfoSettings(msgspec.Struct, kw_only=True, frozen=True):
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"{name} must be > 0 s, not {value!r}")
+        for name in ("max_client_mib", "max_total_mib"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a number of MiB > 0, not {value!r}")
         for name in ("max_jobs", "max_jobs_per_client"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, not {getattr(self, name)!r}")
@@ -198,11 +208,12 @@ def parse_setting(var: str, name: str, raw: str) -> Any:
         if low in _FALSE:
             return False
         raise ConfigError(f"{var} must be true or false, not {raw!r}")
-    if name in ("max_job_idle_time", "registration_timeout"):
+    if name in ("max_job_idle_time", "registration_timeout", "max_client_mib", "max_total_mib"):
+        unit = "MiB" if name.endswith("_mib") else "seconds"
         try:
             return float(raw)
         except ValueError:
-            raise ConfigError(f"{var} must be a number of seconds, not {raw!r}") from None
+            raise ConfigError(f"{var} must be a number of {unit}, not {raw!r}") from None
     if name in ("max_jobs", "max_jobs_per_client"):
         try:
             return int(raw)
