@@ -122,7 +122,7 @@ def test_pfo_plan_stops_within_a_second_of_a_signal(tmp_path: Path, signum: int)
     proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=30)
     took = time.monotonic() - sent
-    assert proc.returncode == 130, stderr
+    assert proc.returncode == 128 + signum, stderr  # 130 for Ctrl-C, 143 for SIGTERM
     assert stderr.strip() == "zeus-async pfo-plan: interrupted while planning; no plan written"
     assert took < 1.0, took
     assert not out.exists() and stdout.startswith("P_block") and len(stdout.splitlines()) == 1
@@ -184,15 +184,31 @@ def test_pfo_plan_shows_the_baseline_the_saving_and_its_p_block(tmp_path: Path) 
             1,
             "target iteration time 0.001 s is below the fastest achievable",
         ),
+        (
+            ["--microbatches", "4", "--p-block", "1e308"],
+            1,
+            "the blocking power (p_block_w) must be a number of W within 0..1e+06, got 1e+308",
+        ),
+        # Outputs are checked before planning (which can take minutes), not after.
+        (
+            ["--microbatches", "4", "--out", "{dir}/profile.csv"],
+            1,
+            "--out {dir}/profile.csv is the profile being read",
+        ),
+        (["--microbatches", "4", "--out", "{dir}/no/plan.json"], 1, "no directory {dir}/no"),
+        (["--microbatches", "4", "--out", "{dir}"], 1, "is a directory"),
     ],
 )
 def test_pfo_plan_bad_input(tmp_path: Path, args: list[str], code: int, message: str) -> None:
     csv = tmp_path / "profile.csv"
     _profile(csv)
-    proc = run_cli("pfo-plan", str(csv), *args)
+    before = csv.read_bytes()
+    proc = run_cli("pfo-plan", str(csv), *(a.format(dir=tmp_path) for a in args))
     assert proc.returncode == code
-    assert message in proc.stderr
+    assert message.format(dir=tmp_path) in proc.stderr
+    assert code == 2 or len(proc.stderr.strip().splitlines()) == 1  # argparse adds its usage
     assert "Error:" not in proc.stderr and "Traceback" not in proc.stderr
+    assert csv.read_bytes() == before
 
 
 @pytest.mark.parametrize(
@@ -201,6 +217,18 @@ def test_pfo_plan_bad_input(tmp_path: Path, args: list[str], code: int, message:
         (b"\xff\xfe", "not a usable instruction profile: 'utf-8' codec can't decode"),
         (b"a,b\n", "not a usable instruction profile: "),
         (b"", "not a usable instruction profile: "),
+        (
+            b"rank,dp_rank,pp_rank,tp_rank,stage,instruction,frequency,time,energy\n"
+            b"0,0,0,0,0,forward,1000,1e308,1\n0,0,0,0,0,backward,1000,1e308,1\n",
+            "profile.csv: not a usable instruction profile: stage 0 forward at 1000 MHz: time "
+            "must be above 0 and at most 86400 s, got 1e+308",
+        ),
+        (
+            b"rank,dp_rank,pp_rank,tp_rank,stage,instruction,frequency,time,energy\n"
+            b"0,0,0,0,0,forward,1000,0.1,1\n0,0,0,0,0,forward,1000,0.2,1\n",
+            "profile.csv:3: not a usable instruction profile: a second row for rank 0 forward "
+            "at 1000 MHz",
+        ),
     ],
 )
 def test_pfo_plan_unusable_profiles_are_one_line(

@@ -129,7 +129,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             return EXIT_BROKEN_PIPE
         if isinstance(exc, Interrupted):
             sys.stderr.write(f"zeus-async {args.command}: {exc}\n")
-            return 130
+            return exc.status
         if isinstance(exc, (CliError, ZeusAsyncError, OSError)):
             sys.stderr.write(f"zeus-async {args.command}: {describe_error(exc)}\n")
             return EXIT_ERROR

@@ -249,7 +249,17 @@ def nonnegative_int(text: str) -> int:
 
 
 class Interrupted(Exception):
-    """Ctrl-C (or SIGTERM) before the command got going: one line, exit status 130."""
+    """Ctrl-C (or SIGTERM) stopped the command before it got anywhere: one line, and the exit
+    status of a process that signal killed (130 for SIGINT, 143 for SIGTERM)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        #: The signal (taken when raised, while the command's context knows it).
+        self.signum = stop_signal() or signal.SIGINT
+
+    @property
+    def status(self) -> int:
+        return 128 + int(self.signum)
 
 
 async def wait_for_publisher(sub: Subscriber, endpoints: Sequence[str], timeout: float) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import threading
+from pathlib import Path
 from typing import Any, TextIO
 
 from .common import (
@@ -35,8 +37,9 @@ def add_parsers(sub: Any) -> None:
             "The pipeline frequency optimization server. Settings come from ZEUS_PFO_* "
             "environment variables (SCHEDULER, SCHEDULER_ARGS, LOG_LEVEL, DUMP_DATA, DUMP_DIR, "
             "MAX_JOB_IDLE_TIME, REGISTRATION_TIMEOUT, MAX_JOBS, MAX_JOBS_PER_CLIENT, "
-            "ADMIN_TOKEN, CURVE_SECRET, CURVE_ALLOW); the options below override them. Each "
-            "job is opened only by the token its registration returned."
+            "MAX_CLIENT_MIB, MAX_TOTAL_MIB, ADMIN_TOKEN, CURVE_SECRET, CURVE_ALLOW); the options "
+            "below override them. Each job is opened only by the token its registration "
+            "returned."
         ),
     )
     srv.add_argument(
@@ -55,7 +58,26 @@ def add_parsers(sub: Any) -> None:
         help="evict a job whose ranks have not all registered within S s (default 600)",
     )
     srv.add_argument("--max-jobs", type=positive_int, default=None, help="default 1000")
-    srv.add_argument("--max-jobs-per-client", type=positive_int, default=None, help="default 64")
+    srv.add_argument(
+        "--max-jobs-per-client",
+        type=positive_int,
+        default=None,
+        help="default 64 (a client: its CURVE key, else its network address)",
+    )
+    srv.add_argument(
+        "--max-client-mib",
+        type=positive_float,
+        default=None,
+        metavar="MIB",
+        help="memory one client's jobs may hold, ranks and results (default 256)",
+    )
+    srv.add_argument(
+        "--max-total-mib",
+        type=positive_float,
+        default=None,
+        metavar="MIB",
+        help="memory all jobs may hold together (default 2048)",
+    )
     add_server_curve_args(srv, what="--bind")
     srv.add_argument("--log-level", default=None)
     srv.add_argument("--duration", type=positive_float, default=None, help="stop after S s")
@@ -111,6 +133,8 @@ async def _pfo_server(args: argparse.Namespace, out: TextIO) -> int:
         "registration_timeout": args.registration_timeout,
         "max_jobs": args.max_jobs,
         "max_jobs_per_client": args.max_jobs_per_client,
+        "max_client_mib": args.max_client_mib,
+        "max_total_mib": args.max_total_mib,
         "log_level": args.log_level,
         "curve_secret": args.curve_secret,
         "curve_allow": args.curve_allow,
@@ -145,14 +169,13 @@ async def _pfo_plan(args: argparse.Namespace, out: TextIO) -> int:
         plan_frontier,
         write_plan,
     )
+    from ..optimizer.pipeline.planner import check_p_block
     from ..optimizer.pipeline.schedulers import read_blocking_power
 
+    if args.out:
+        _check_output(Path(args.out), Path(args.profile))  # before minutes of planning
     try:
         result = InstructionProfilingResult.from_csv(args.profile)
-        p_block, measured = args.p_block, False
-        if p_block is None:
-            found = read_blocking_power(args.profile)
-            p_block, measured = (0.0, False) if found is None else (found, True)
         profile = InstructionProfile.from_rows(result.rows())
         stages = max((r.pp_rank for r in result.results), default=-1) + 1
         if stages == 0:
@@ -160,7 +183,18 @@ async def _pfo_plan(args: argparse.Namespace, out: TextIO) -> int:
         schedule = PipelineSchedule(args.pipeline, stages, args.microbatches)
         profile.check_covers(schedule)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise CliError(f"{args.profile}: not a usable instruction profile: {exc}") from None
+        # The reader's messages name the file (and line) already; say it once.
+        text, name = str(exc), str(Path(args.profile))
+        where, _, why = text.partition(": ") if text.startswith(name) else (name, "", text)
+        raise CliError(f"{where}: not a usable instruction profile: {why}") from None
+    p_block, measured = args.p_block, False
+    if p_block is None:
+        found = read_blocking_power(args.profile)  # its own file, named in its errors
+        p_block, measured = (0.0, False) if found is None else (found, True)
+    try:
+        check_p_block(p_block)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     where = (
         "given"
         if args.p_block is not None
@@ -218,6 +252,19 @@ async def _pfo_plan(args: argparse.Namespace, out: TextIO) -> int:
     else:
         out.write(json.dumps([point.stage_plan(schedule, s) for s in range(stages)]) + "\n")
     return 0
+
+
+def _check_output(out: Path, profile: Path) -> None:
+    """Refuse an output that cannot be written, or that is the profile itself."""
+    if out.exists() and profile.exists() and out.resolve() == profile.resolve():
+        raise CliError(f"--out {out} is the profile being read; write the plan elsewhere")
+    if out.is_dir():
+        raise CliError(f"--out {out} is a directory; give a file name (.json)")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise CliError(f"--out {out}: no directory {parent}")
+    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise CliError(f"--out {out}: not writable")
 
 
 COMMANDS: dict[str, Command] = {

@@ -52,11 +52,15 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "INSTRUCTIONS",
+    "MAX_ENERGY_J",
+    "MAX_P_BLOCK_W",
+    "MAX_TIME_S",
     "Frontier",
     "FrontierPoint",
     "InstructionProfile",
     "PipelineSchedule",
     "PlanningStopped",
+    "check_p_block",
     "evaluate",
     "plan_frontier",
 ]
@@ -139,6 +143,14 @@ class PipelineSchedule(msgspec.Struct, frozen=True):
         return order
 
 
+#: Bounds on a profile's figures and on the blocking power: far beyond any real instruction
+#: (a day, a gigajoule) or stage (a megawatt), and small enough that no sum over a pipeline
+#: overflows a float.
+MAX_TIME_S = 86_400.0
+MAX_ENERGY_J = 1e9
+MAX_P_BLOCK_W = 1e6
+
+
 class InstructionProfile:
     """Time (s) and energy (J) of each instruction of each stage at each profiled clock (MHz).
 
@@ -147,8 +159,8 @@ class InstructionProfile:
 
     Raises:
         ValueError: An unknown instruction, a negative stage or non-positive frequency, an empty
-            measurement table, a time that is not a positive finite number or an energy that
-            is negative or not finite.
+            measurement table, a time that is not within (0, :data:`MAX_TIME_S`] or an energy
+            not within [0, :data:`MAX_ENERGY_J`].
 
     Every measured clock is kept (so :func:`evaluate` accepts any of them); the planner only
     considers the clocks of :meth:`frontier`, which drops those another clock dominates.
@@ -172,11 +184,14 @@ class InstructionProfile:
                 if isinstance(freq, bool) or not isinstance(freq, int) or freq <= 0:
                     raise ValueError(f"frequency must be a positive integer (MHz), got {freq!r}")
                 time_f, energy_f = float(time_s), float(energy_j)
-                if not (math.isfinite(time_f) and time_f > 0.0):
-                    raise ValueError(f"{where}: time must be positive and finite, got {time_s!r}")
-                if not (math.isfinite(energy_f) and energy_f >= 0.0):
+                if not (math.isfinite(time_f) and 0.0 < time_f <= MAX_TIME_S):
                     raise ValueError(
-                        f"{where}: energy must be non-negative and finite, got {energy_j!r}"
+                        f"{where}: time must be above 0 and at most {MAX_TIME_S:g} s, "
+                        f"got {time_s!r}"
+                    )
+                if not (math.isfinite(energy_f) and 0.0 <= energy_f <= MAX_ENERGY_J):
+                    raise ValueError(
+                        f"{where}: energy must be within 0..{MAX_ENERGY_J:g} J, got {energy_j!r}"
                     )
                 clean[freq] = (time_f, energy_f)
             table[(stage, instruction)] = clean
@@ -489,10 +504,14 @@ def _energy(
     return e_sum
 
 
-def _check_p_block(p_block_w: float) -> float:
+def check_p_block(p_block_w: float) -> float:
+    """``p_block_w`` as a float, or ``ValueError`` unless it is within 0..MAX_P_BLOCK_W."""
     value = float(p_block_w)
-    if not (math.isfinite(value) and value >= 0.0):
-        raise ValueError(f"p_block_w must be a finite number >= 0, got {p_block_w!r}")
+    if not (math.isfinite(value) and 0.0 <= value <= MAX_P_BLOCK_W):
+        raise ValueError(
+            f"the blocking power (p_block_w) must be a number of W within 0..{MAX_P_BLOCK_W:g}, "
+            f"got {p_block_w!r}"
+        )
     return value
 
 
@@ -516,7 +535,7 @@ def evaluate(
         ValueError: The profile does not cover the schedule, the plan misses or adds
             instructions, or names a clock that was not profiled.
     """
-    p_block = _check_p_block(p_block_w)
+    p_block = check_p_block(p_block_w)
     profile.check_covers(schedule)
     dag = _dag(schedule)
     if len(frequencies) != len(dag.keys):
@@ -1072,7 +1091,7 @@ def plan_frontier(
     gets the same treatment. The Pareto set of all these plans, re-evaluated exactly, is the
     frontier.
     """
-    p_block = _check_p_block(p_block_w)
+    p_block = check_p_block(p_block_w)
     profile.check_covers(schedule)
     started = time.perf_counter()
     planner = _Planner(profile, schedule, p_block)
