@@ -18,10 +18,15 @@ time and energy respond to the plan the way real GPUs do. The simulated GPU is b
 an instruction computes; while its rank waits on another stage it idles, and its power drops
 to the idle (blocking) power, as a real GPU's does.
 
-At the end, rank 0 prints the outcome: the job's iteration time and GPU energy before the plan
-(the first profiling round, every clock at its top) and with the final plan. ``--report DIR``
-writes what each rank saw (schedules, the clock in force during each instruction, clocks after
-closing, the outcome), which the project's end-to-end test checks.
+Clock changes take ``--set-latency-ms`` on the simulated GPUs (2 ms by default, an assumed
+NVML set latency), so a clock set late would show: each instruction records every clock the
+GPU ran at while it computed.
+
+At the end, rank 0 prints the outcome: the job's iteration time and GPU energy with the final
+plan, and without it: after the optimizer closes (every clock back to its default, the top),
+the same loop runs ``--baseline-iters`` more iterations with no optimizer hooks at all.
+``--report DIR`` writes what each rank saw (schedules, the clocks during each instruction,
+clocks after closing, the outcome), which the project's end-to-end test checks.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 import torch.distributed as dist
 
@@ -60,8 +66,9 @@ SIM = SimConfig(
 )
 
 
-def compute(gpu: int, work_s: float) -> None:
-    """Run ``work_s`` seconds of full-speed work on simulated GPU ``gpu`` at its current speed.
+def compute(gpu: int, work_s: float) -> list[int | None]:
+    """Run ``work_s`` seconds of full-speed work on simulated GPU ``gpu`` at its current speed;
+    returns every locked SM clock (MHz, ``None``: unlocked) it ran at, in order.
 
     The work advances with the time that really passes (at the speed in force when each short
     step began), as a GPU kernel keeps running while its host thread oversleeps: a descheduled
@@ -71,18 +78,27 @@ def compute(gpu: int, work_s: float) -> None:
     assert node is not None
     sim_gpu = node.gpus[gpu]
     sim_gpu.set_load(1.0)  # kernels running
+    clocks: list[int | None] = []
     remaining = work_s
     while remaining > 0:
+        locked = sim_gpu.locked_sm_clocks_mhz
+        clock = None if locked is None else locked[1]
+        if not clocks or clocks[-1] != clock:
+            clocks.append(clock)
         speed = sim_gpu.throughput(node.now_ns())
         t0 = time.perf_counter()
         time.sleep(min(remaining, 0.002) / speed)
         remaining -= (time.perf_counter() - t0) * speed
+    locked = sim_gpu.locked_sm_clocks_mhz
+    if clocks[-1] != (None if locked is None else locked[1]):
+        clocks.append(None if locked is None else locked[1])
     sim_gpu.set_load(0.0)  # done: idle until the next instruction
+    return clocks
 
 
 def _outcome(measured: list[tuple[int, Any]], gpu: int, last_round: int) -> dict[str, Any]:
     """The job's iteration time (the slowest rank's) and GPU energy (every rank's), medians
-    over the iterations of round 0 (the first one left out: warm-up) and of the final round."""
+    over the iterations run without the optimizer (round -1) and of the final round."""
 
     def medians(windows: list[Any]) -> list[float]:
         if not windows:
@@ -91,7 +107,7 @@ def _outcome(measured: list[tuple[int, Any]], gpu: int, last_round: int) -> dict
         energies = sorted(w.wait().gpu_energy_j[gpu] for w in windows)
         return [times[len(times) // 2], energies[len(energies) // 2]]
 
-    before = medians([w for r, w in measured if r == 0][1:])
+    before = medians([w for r, w in measured if r == -1])
     planned = medians([w for r, w in measured if r == last_round])
     figures = torch.tensor([before[0], planned[0]], dtype=torch.float64)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # the iteration is the slowest rank's
@@ -113,6 +129,12 @@ def main() -> None:
     parser.add_argument("--forward-ms", type=float, default=6.0, help="stage 0's forward work")
     parser.add_argument("--until-round", type=int, default=5, help="run until this schedule")
     parser.add_argument("--tail-iters", type=int, default=4, help="iterations after that")
+    parser.add_argument(
+        "--baseline-iters", type=int, default=4, help="iterations without the optimizer, last"
+    )
+    parser.add_argument(
+        "--set-latency-ms", type=float, default=2.0, help="how long a clock change takes"
+    )
     parser.add_argument("--max-seconds", type=float, default=120.0)
     parser.add_argument("--report", default=None, help="write per-rank reports to this folder")
     args = parser.parse_args()
@@ -137,7 +159,7 @@ def main() -> None:
         sampler="thread",
         sample_period=0.005,
         sync_execution_with=None,
-        sim_config=SIM,
+        sim_config=msgspec.structs.replace(SIM, set_clock_latency_s=args.set_latency_ms / 1000),
     )
     pfo = PipelineFrequencyOptimizer(
         rank=rank,
@@ -165,21 +187,24 @@ def main() -> None:
     started = time.monotonic()
     tail = -1
     iteration = 0
-    while True:
-        pfo.on_step_begin()
+
+    def iterate(hooks: PipelineFrequencyOptimizer | None) -> tuple[list[Any], Any]:
+        """One 1F1B iteration (with the optimizer's hooks, or none): the clocks each
+        instruction ran at, and the iteration's measurement window."""
         monitor.begin_window("example:iteration", sync_execution=False)
-        clocks = []
-        pending = []
+        clocks: list[Any] = []
+        pending: list[Any] = []
         for name, mb in order:
             if name == "forward" and pp_rank > 0:
                 dist.recv(act, prev_rank)
             if name == "backward" and pp_rank < pp - 1:
                 dist.recv(act, next_rank)
-            pfo.on_instruction_begin(name)
-            compute(local, fwd_s if name == "forward" else 2 * fwd_s)
-            locked = node.gpus[local].locked_sm_clocks_mhz
-            clocks.append([name, None if locked is None else locked[1]])
-            pfo.on_instruction_end(name)
+            if hooks is not None:
+                hooks.on_instruction_begin(name)
+            ran_at = compute(local, fwd_s if name == "forward" else 2 * fwd_s)
+            clocks.append([name, ran_at[0] if len(ran_at) == 1 else ran_at])
+            if hooks is not None:
+                hooks.on_instruction_end(name)
             act.fill_(float(mb))
             if name == "forward" and pp_rank < pp - 1:
                 pending.append(dist.isend(act.clone(), next_rank))
@@ -189,7 +214,12 @@ def main() -> None:
             work.wait()
         grad = torch.ones(4)
         dist.all_reduce(grad, group=replicas[pp_rank])
-        measured.append((pfo.round, monitor.end_window("example:iteration", sync_execution=False)))
+        return clocks, monitor.end_window("example:iteration", sync_execution=False)
+
+    while True:
+        pfo.on_step_begin()
+        clocks, window = iterate(pfo)
+        measured.append((pfo.round, window))
         pfo.on_step_end()
         iteration += 1
         seen.append({"round": pfo.round, "schedule": pfo.schedule.frequencies, "clocks": clocks})
@@ -204,10 +234,16 @@ def main() -> None:
                 break
         if time.monotonic() - started > args.max_seconds:
             raise SystemExit(f"rank {rank}: round {args.until_round} not reached in time")
-    outcome = _outcome(measured, local, pfo.round)
+    last_round = pfo.round
     clocks_applied = pfo.clock_stats
     pfo.close()
     after = node.gpus[local].locked_sm_clocks_mhz
+    # The baseline: the same loop with no optimizer (clocks at their default, the top), after
+    # one iteration that lets the reset land.
+    iterate(None)
+    for _ in range(args.baseline_iters):
+        measured.append((-1, iterate(None)[1]))
+    outcome = _outcome(measured, local, last_round)
     monitor.close()
     logger.info(
         "%d iterations; last schedule round %d; clocks: %d of %d instructions on time, %.1f ms "
@@ -221,7 +257,7 @@ def main() -> None:
     if rank == 0:
         before, planned = outcome["before"], outcome["planned"]
         logger.info(
-            "outcome: before the plan (every clock at its top) %.4f s and %.2f J per "
+            "outcome: without the optimizer (every clock at its top) %.4f s and %.2f J per "
             "iteration; with the plan %.4f s (%+.1f %%) and %.2f J (%+.1f %%)",
             before["time_s"],
             before["energy_j"],

@@ -77,7 +77,8 @@ def check_bind_endpoint(endpoint: str, *, curve: bool, require_curve: bool, what
     Raises:
         ConfigError: Policy violated, or the ipc endpoint is in use.
     """
-    if not is_local_endpoint(endpoint):
+    remote = endpoint.startswith(_NETWORK_SCHEMES) and not is_local_endpoint(endpoint)
+    if remote:
         if require_curve and not curve:
             raise ConfigError(
                 f"{what}: endpoint {endpoint!r} is reachable from other hosts and "
@@ -85,12 +86,17 @@ def check_bind_endpoint(endpoint: str, *, curve: bool, require_curve: bool, what
             )
         if not curve:
             logger.warning(
-                "%s: binding %s without CURVE: anyone who can reach this host can subscribe",
+                "%s: binding %s without CURVE: anyone who can reach this host can connect "
+                "(give CURVE keys to encrypt and authenticate)",
                 what,
                 endpoint,
             )
     if endpoint.startswith("ipc://"):
         _check_ipc_path(endpoint[len("ipc://") :], what)
+
+
+#: Transports that other hosts can reach (anything else is ipc/inproc, or fails to bind).
+_NETWORK_SCHEMES = ("tcp://", "ws://", "wss://", "udp://", "pgm://", "epgm://", "norm://")
 
 
 def _check_ipc_path(path: str, what: str) -> None:

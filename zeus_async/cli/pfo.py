@@ -187,19 +187,18 @@ async def _pfo_plan(args: argparse.Namespace, out: TextIO) -> int:
         text, name = str(exc), str(Path(args.profile))
         where, _, why = text.partition(": ") if text.startswith(name) else (name, "", text)
         raise CliError(f"{where}: not a usable instruction profile: {why}") from None
-    p_block, measured = args.p_block, False
+    p_block, where = args.p_block, "given"
     if p_block is None:
         found = read_blocking_power(args.profile)  # its own file, named in its errors
-        p_block, measured = (0.0, False) if found is None else (found, True)
+        if found is None:
+            p_block, where = 0.0, "not measured: give --p-block"
+        else:
+            p_block, given = found
+            where = "given to the server that profiled" if given else "measured while profiling"
     try:
         check_p_block(p_block)
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    where = (
-        "given"
-        if args.p_block is not None
-        else ("measured while profiling" if measured else "not measured: give --p-block")
-    )
     out.write(
         f"P_block     {p_block:.6g} W ({where}): idle time is charged at this power, as the "
         "server does\n"

@@ -392,7 +392,8 @@ def test_instruction_profiler_rounds_without_a_server(tmp_path: Path) -> None:
     from zeus_async.optimizer.pipeline.schedulers import read_blocking_power
 
     assert read_blocking_power(tmp_path / "solo" / "instruction_profile.csv") == (
-        prof.blocking_power_w
+        prof.blocking_power_w,
+        False,  # measured, not given
     )
     with pytest.raises(ConfigError, match="num_microbatches must be a whole number >= 1"):
         InstructionProfiler(job, ranks, settings, num_microbatches=0)

@@ -289,8 +289,13 @@ def test_instruction_profiler_3d_sweeps_down_and_stops_when_energy_rises(tmp_pat
     assert sorted(profile.results[0].forward_time) == sorted(FREQS)
 
 
-def test_frontier_planner_serves_a_plan_no_slower_than_max_clocks(tmp_path: Path) -> None:
-    args = {"num_microbatches": 3, "patience": 2}
+@pytest.mark.parametrize("given", [None, 33.0])
+def test_frontier_planner_serves_a_plan_no_slower_than_max_clocks(
+    tmp_path: Path, given: float | None
+) -> None:
+    args: dict[str, object] = {"num_microbatches": 3, "patience": 2}
+    if given is not None:
+        args["p_block_w"] = given
     with running_server(tmp_path, scheduler="FrontierPlanner3D", scheduler_args=args) as (_, ep):
         (c,) = clients(ep, 1)
         job = c.register_job(JobInfo(pp_degree=2, dp_degree=2, tp_degree=1, world_size=4))
@@ -307,6 +312,12 @@ def test_frontier_planner_serves_a_plan_no_slower_than_max_clocks(tmp_path: Path
     frontier = json.loads((tmp_path / "dump" / job / "frontier.json").read_text())
     times = [pt["iteration_time_s"] for pt in frontier]
     assert times == sorted(times)
+    # Kept beside the profile: the P_block the plan was made with (pfo-plan uses it too).
+    from zeus_async.optimizer.pipeline.schedulers import read_blocking_power
+
+    kept = read_blocking_power(tmp_path / "dump" / job / "instruction_profile.csv")
+    assert kept is not None
+    assert kept == (given, True) if given is not None else kept[1] is False
 
 
 def test_job_ids_are_unique_within_one_second(tmp_path: Path) -> None:

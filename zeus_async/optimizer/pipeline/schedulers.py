@@ -275,24 +275,34 @@ def blocking_power_path(profile_csv: str | Path) -> Path:
     return path.with_name(path.stem + ".p_block.json")
 
 
-def write_blocking_power(profile_csv: str | Path, p_block_w: float | None) -> None:
-    """Keep the blocking power measured while profiling beside the profile."""
+class _BlockingPower(msgspec.Struct, forbid_unknown_fields=True):
+    p_block_w: float
+    #: Given to the server (``p_block_w``) rather than measured while profiling.
+    given: bool = False
+
+
+def write_blocking_power(profile_csv: str | Path, p_block_w: float | None, given: bool) -> None:
+    """Keep beside the profile the blocking power the server charges idle time at: the one it
+    was given, else the one measured while profiling."""
     if p_block_w is not None:
-        blocking_power_path(profile_csv).write_bytes(msgspec.json.encode({"p_block_w": p_block_w}))
+        record = _BlockingPower(p_block_w=p_block_w, given=given)
+        blocking_power_path(profile_csv).write_bytes(msgspec.json.encode(record))
 
 
-def read_blocking_power(profile_csv: str | Path) -> float | None:
-    """The blocking power measured with a profile (W), or ``None`` when none was kept."""
+def read_blocking_power(profile_csv: str | Path) -> tuple[float, bool] | None:
+    """The blocking power kept with a profile (W) and whether it was given to the server (not
+    measured), or ``None`` when none was kept."""
     path = blocking_power_path(profile_csv)
     if not path.exists():
         return None
     try:
-        value = msgspec.json.decode(path.read_bytes(), type=dict[str, float])["p_block_w"]
-    except (msgspec.DecodeError, msgspec.ValidationError, KeyError) as exc:
+        record = msgspec.json.decode(path.read_bytes(), type=_BlockingPower)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ConfigError(f"{path}: not a blocking power file: {exc}") from None
+    value = record.p_block_w
     if not math.isfinite(value) or value < 0:
         raise ConfigError(f"{path}: p_block_w must be >= 0, not {value!r}")
-    return value
+    return value, record.given
 
 
 class PointSolution(FrequencyScheduler):
@@ -565,13 +575,20 @@ class InstructionProfiler(FrequencyScheduler):
         if out is not None:
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             self.profile.to_csv(out)
-            write_blocking_power(out, self.blocking_power_w)
+            p_block, given = self.planning_p_block()
+            write_blocking_power(out, p_block, given)
             logger.info(
-                "job %s: instruction profile written to %s (P_block %.1f W measured)",
+                "job %s: instruction profile written to %s (P_block %.1f W measured%s)",
                 self.job_info.job_id,
                 out,
                 self.blocking_power_w,
+                f"; {p_block:g} W given, and kept with it" if given else "",
             )
+
+    def planning_p_block(self) -> tuple[float | None, bool]:
+        """The blocking power plans charge idle time at, and whether it was given (else it is
+        the one measured while profiling)."""
+        return self.blocking_power_w, False
 
     def _run(self) -> ScheduleGen:
         yield from self._profile_rounds()
@@ -629,10 +646,15 @@ class FrontierPlanner(InstructionProfiler):
             output_csv,
         )
 
+    def planning_p_block(self) -> tuple[float | None, bool]:
+        if self.p_block_w is not None:
+            return self.p_block_w, True
+        return super().planning_p_block()
+
     def _run(self) -> ScheduleGen:
         yield from self._profile_rounds()
         assert self.profile is not None
-        p_block = self.p_block_w if self.p_block_w is not None else self.blocking_power_w or 0.0
+        p_block = self.planning_p_block()[0] or 0.0
         profile = InstructionProfile.from_rows(self.profile.rows())
         frontier = plan_frontier(profile, self.pipeline, p_block_w=p_block)
         target = self.target_time_s
