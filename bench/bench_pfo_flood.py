@@ -10,7 +10,9 @@ before and after:
   10,000 are held (the memory a job costs), then ``--registration-timeout`` evicts them (their
   ranks never come) and the count falls back to 0;
 * ``unread replies``: a client sends ``--requests`` ``info`` requests and never reads; the
-  server's reply queue to it is bounded (``REPLY_QUEUE``), so its memory stays flat.
+  server's reply queue to it is bounded (``REPLY_QUEUE``), so its memory stays flat;
+* ``big ranks``: one tenant registers a job of 16,384 ranks, each listing 1,024 clocks (the
+  most a rank may), until ``max_client_mib`` (default 256) refuses it with ``busy``.
 
 Run: ``.venv/bin/python bench/bench_pfo_flood.py [--jobs 10000] [--requests 500000]``
 """
@@ -31,7 +33,7 @@ import msgspec
 import psutil
 import zmq
 
-from zeus_async.optimizer.pipeline import JobInfo, PfoClient, PfoServerError
+from zeus_async.optimizer.pipeline import JobInfo, PfoClient, PfoServerError, RankInfo
 
 ADMIN = "bench-admin"
 
@@ -108,6 +110,26 @@ def _never_read(endpoint: str, n: int) -> float:
     return elapsed
 
 
+def _big_ranks(endpoint: str) -> tuple[int, str, float]:
+    client = PfoClient(endpoint, timeout_s=30)
+    n = 16_384
+    job = client.register_job(JobInfo(pp_degree=n, dp_degree=1, tp_degree=1, world_size=n))
+    clocks = list(range(2024, 1000, -1))
+    registered, why = 0, "all registered"
+    t0 = time.perf_counter()
+    for r in range(n):
+        info = RankInfo(rank=r, dp_rank=0, pp_rank=r, tp_rank=0, available_frequencies=clocks)
+        try:
+            client.register_rank(job, info)
+        except PfoServerError as exc:
+            why = f"then {exc.code} ({'max_client_mib' in exc.message and 'max_client_mib'})"
+            break
+        registered += 1
+    took = time.perf_counter() - t0
+    client.close()
+    return registered, why, took
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--jobs", type=int, default=10_000)
@@ -148,6 +170,22 @@ def main() -> None:
         took = _never_read(ep, args.requests)
         rows.append(
             ("unread replies", before, _rss_mib(proc), f"{args.requests} requests in {took:.1f} s")
+        )
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+    proc, ep = _server()
+    try:
+        before = _rss_mib(proc)
+        registered, why, took = _big_ranks(ep)
+        rows.append(
+            (
+                "big ranks, one tenant",
+                before,
+                _rss_mib(proc),
+                f"{registered} ranks of 1,024 clocks in {took:.1f} s, {why}",
+            )
         )
     finally:
         proc.terminate()
