@@ -314,6 +314,15 @@ async def test_non_local_bind_warns_or_fails(caplog: pytest.LogCaptureFixture) -
     assert any("without CURVE" in r.getMessage() for r in caplog.records)
     with pytest.raises(ConfigError, match="require_curve"):
         await Publisher("tcp://*:*", host="n1", require_curve=True).run()
+    # No warning for what is not a network transport (it fails to bind, and says so).
+    from zeus_async.bus._endpoints import check_bind_endpoint
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="zeus_async.bus"):
+        check_bind_endpoint("foo://x", curve=False, require_curve=True, what="t")
+    assert not caplog.records
+    with pytest.raises(ConfigError, match="transport://address"):
+        check_bind_endpoint("bogus", curve=False, require_curve=False, what="t")
 
 
 async def test_bind_errors_are_config_errors(ipc_endpoint: str) -> None:

@@ -77,7 +77,8 @@ def check_bind_endpoint(endpoint: str, *, curve: bool, require_curve: bool, what
     Raises:
         ConfigError: Policy violated, or the ipc endpoint is in use.
     """
-    remote = endpoint.startswith(_NETWORK_SCHEMES) and not is_local_endpoint(endpoint)
+    local = is_local_endpoint(endpoint)  # also checks the endpoint's form
+    remote = not local and endpoint.startswith(_NETWORK_SCHEMES)
     if remote:
         if require_curve and not curve:
             raise ConfigError(
