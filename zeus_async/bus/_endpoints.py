@@ -78,7 +78,7 @@ def check_bind_endpoint(endpoint: str, *, curve: bool, require_curve: bool, what
         ConfigError: Policy violated, or the ipc endpoint is in use.
     """
     local = is_local_endpoint(endpoint)  # also checks the endpoint's form
-    remote = not local and endpoint.startswith(_NETWORK_SCHEMES)
+    remote = not local and endpoint.lower().startswith(_NETWORK_SCHEMES)
     if remote:
         if require_curve and not curve:
             raise ConfigError(
@@ -96,8 +96,11 @@ def check_bind_endpoint(endpoint: str, *, curve: bool, require_curve: bool, what
         _check_ipc_path(endpoint[len("ipc://") :], what)
 
 
-#: Transports that other hosts can reach (anything else is ipc/inproc, or fails to bind).
-_NETWORK_SCHEMES = ("tcp://", "ws://", "wss://", "udp://", "pgm://", "epgm://", "norm://")
+#: Transports that other hosts can reach: every libzmq transport but ipc and inproc (an
+#: unknown one fails to bind, and says so).
+_NETWORK_SCHEMES = (
+    "tcp://", "ws://", "wss://", "udp://", "pgm://", "epgm://", "norm://", "tipc://", "vmci://",
+)  # fmt: skip
 
 
 def _check_ipc_path(path: str, what: str) -> None:

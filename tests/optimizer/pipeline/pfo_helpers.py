@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,8 +17,20 @@ from zeus_async.optimizer.pipeline import (
     PfoSettings,
     ProfilingResult,
 )
+from zeus_async.optimizer.pipeline.schedulers import PointSolution
 
 T = TypeVar("T")
+
+
+class GatedPointSolution(PointSolution):
+    """``PointSolution`` that plans (builds) only once :attr:`GATE` is set: a job "planning"
+    for as long as a test needs (``scheduler="pfo_helpers:GatedPointSolution"``)."""
+
+    GATE = threading.Event()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.GATE.wait(60)
+        super().__init__(*args, **kwargs)
 
 
 class FakeClock:

@@ -84,6 +84,12 @@ def test_frequency_controller_coalesces_to_the_latest_request() -> None:
     mon.futures[2].set_exception(RuntimeError("lost"))  # a failure is logged, not raised
     ctl.set_frequency(1000)  # and the next request tries again
     assert mon.calls == [1500, 1200, 1000, 1000]
+    ctl.set_frequency(900)  # asked for while 1000 is in flight...
+    assert not ctl.settled(1200)  # (1200 is in force, but a change is on its way)
+    mon.futures[3].set_exception(RuntimeError("lost"))
+    assert mon.calls[-1] == 900  # ... and sent when 1000 fails, not dropped
+    mon.futures[4].set_result([])
+    assert ctl.settled(900)
     ctl.reset()
     assert mon.calls[-1] is None and ctl.applied is None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 import threading
+import time
 from pathlib import Path
 
 import msgspec
@@ -214,6 +215,74 @@ def test_scheduler_failure_is_reported_to_waiting_ranks_only(tmp_path: Path) -> 
         assert c2.get_schedule(good, 2).schedule.frequencies[0] == ("forward", 1600)
         states = {j.job_id: j.state for j in c2.info().jobs}
         assert states[bad] == "failed"
+        # Its ranks can still leave it, and so end it (it held its client's place otherwise).
+        for r in range(2):
+            leaving = PfoClient(ep, timeout_s=10.0)
+            leaving.join(bad, c0.tokens[bad])
+            leaving.leave(bad, r)
+        deadline = time.monotonic() + 10
+        while bad in {j.job_id for j in c2.info().jobs} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [j.job_id for j in c2.info().jobs] == [good]
+
+
+def test_a_failed_job_nobody_asks_about_is_evicted(tmp_path: Path) -> None:
+    clock = FakeClock()
+    args = {"solution_path": _plan_file(tmp_path, 3)}  # plans 3 ranks: a job of 2 fails
+    with running_server(
+        tmp_path, clock, scheduler="PointSolution", scheduler_args=args, registration_timeout=60
+    ) as (server, ep):
+        (c,) = clients(ep, 1)
+        bad = c.register_job(JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2))
+        c.register_rank(bad, _rank(0, 0))
+        c.register_rank(bad, _rank(1, 1))
+        deadline = time.monotonic() + 10
+        while c.info().jobs[0].state != "failed" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        clock.now += 59
+        assert server.call(server.evict_idle) == []
+        clock.now += 2  # past registration_timeout with no request about it
+        assert server.call(server.evict_idle) == [bad]
+
+
+def test_a_job_whose_ranks_leave_while_it_plans_ends_when_the_plan_returns(
+    tmp_path: Path,
+) -> None:
+    from pfo_helpers import GatedPointSolution
+
+    GatedPointSolution.GATE.clear()
+    args = {"solution_path": _plan_file(tmp_path, 2)}
+    try:
+        with running_server(
+            tmp_path, scheduler="pfo_helpers:GatedPointSolution", scheduler_args=args,
+            max_jobs_per_client=1,
+        ) as (_, ep):  # fmt: skip
+            (c,) = clients(ep, 1)
+            job = c.register_job(JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2))
+            token = c.tokens[job]
+            for r in range(2):
+                c.register_rank(job, _rank(r, r))
+            deadline = time.monotonic() + 10
+            while c.info().jobs[0].state != "planning" and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert c.info().jobs[0].state == "planning"
+            for r in range(2):
+                leaving = PfoClient(ep, timeout_s=10.0)
+                leaving.join(job, token)
+                leaving.leave(job, r)
+            time.sleep(0.3)
+            # Its planner cannot be stopped: the job keeps its place until the plan returns.
+            assert [j.state for j in c.info().jobs] == ["planning"]
+            with pytest.raises(PfoServerError, match="busy"):
+                c.register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
+            GatedPointSolution.GATE.set()
+            deadline = time.monotonic() + 10
+            while c.info().jobs_total and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert c.info().jobs_total == 0
+            c.register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
+    finally:
+        GatedPointSolution.GATE.set()
 
 
 def test_idle_jobs_are_evicted_and_their_waiters_told(tmp_path: Path) -> None:
@@ -410,3 +479,26 @@ def test_job_metadata_must_be_safe_in_a_path(tmp_path: Path) -> None:
             assert "job_metadata" in reply.message
         ok = JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1, job_metadata="gpt-3 b32")
         assert c.register_job(ok).endswith("+gpt-3 b32")
+
+
+@pytest.mark.parametrize(
+    ("limits", "named"),
+    [({"max_client_mib": 0.05}, "max_client_mib"), ({"max_total_mib": 0.05}, "max_total_mib")],
+)
+def test_results_past_the_memory_limits_are_refused(
+    tmp_path: Path, limits: dict[str, float], named: str
+) -> None:
+    args = {"solution_path": _plan_file(tmp_path, 2)}
+    with running_server(tmp_path, scheduler="PointSolution", scheduler_args=args, **limits) as (
+        _,
+        ep,
+    ):
+        c0, c1 = clients(ep, 2)
+        job = c0.register_job(JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2))
+        c0.register_rank(job, _rank(0, 0))
+        c1.register_rank(job, _rank(1, 1))
+        sched = c0.get_schedule(job, 0).schedule
+        c0.report(job, result_for(sched, iters=2))  # small: accepted
+        with pytest.raises(PfoServerError) as err:  # ~52 kB: past the 0.05 MiB
+            c1.report(job, result_for(c1.get_schedule(job, 1).schedule, iters=1000))
+        assert err.value.code == "busy" and named in err.value.message

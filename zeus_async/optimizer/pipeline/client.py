@@ -249,10 +249,15 @@ class PfoClient:
             self._lock.release()
 
     def close(self) -> None:
-        """Close the socket (call from the thread that makes the requests, or after it ends)."""
+        """Close the socket (call from the thread that makes the requests, or after it ends;
+        a request still holding the socket after 1 s is left to end on its own)."""
         self.cancelled.set()
-        with self._lock:
+        if not self._lock.acquire(timeout=1.0):  # e.g. a signal handler interrupted a request
+            return
+        try:
             self._sock.close(linger=0)
+        finally:
+            self._lock.release()
 
 
 class FrequencyController:
@@ -303,7 +308,7 @@ class FrequencyController:
         try:
             future = self._monitor.set_sm_clocks(mhz, [self._gpu], source=SOURCE)
         except Exception as exc:
-            self._failed(exc)
+            self._failed(exc, mhz)
             return
         future.add_done_callback(lambda f: self._landed(mhz, f))
 
@@ -321,7 +326,7 @@ class FrequencyController:
                 lambda: self.settled(mhz) or self._disabled or self._closed, timeout_s
             ) and self.settled(mhz)
 
-    def _failed(self, exc: BaseException) -> None:
+    def _failed(self, exc: BaseException, mhz: int) -> None:
         with self._lock:
             self._landed_cond.notify_all()
             self._inflight = False
@@ -330,13 +335,19 @@ class FrequencyController:
             self._warned = True
             if isinstance(exc, (NoPermissionError, NotSupportedError)):
                 self._disabled = True
+            wanted = self._wanted
+            if not (self._disabled or self._closed) and wanted not in (None, mhz):
+                # A newer clock was asked for while this one failed: send it now.
+                self._inflight = True
+                self._sent = wanted
+                self._submit(wanted)
         if first:
             logger.warning("could not set the SM clock of GPU %d: %s", self._gpu, exc)
 
     def _landed(self, mhz: int, future: Future[Any]) -> None:
         exc = future.exception()
         if exc is not None:
-            self._failed(exc)
+            self._failed(exc, mhz)
             return
         with self._lock:
             if self._closed:
@@ -369,7 +380,8 @@ class ClockStats:
 
     Attributes:
         instructions: Instructions run (with the hooks, while the optimizer was open).
-        on_time: Those whose planned clock was in force when they started.
+        on_time: Those whose planned clock was in force when they started, with no other
+            change on its way (one that would land while they ran).
         late: Those whose planned clock landed while they ran (they ran partly at the
             clock before).
         missed: Those whose planned clock never landed while they ran (superseded, failed, or

@@ -112,17 +112,33 @@ def _describe(message: object) -> str:
 
 _MAX_METADATA = 100
 
-# What a decoded message holds in memory, per list and per number in it (CPython objects and
-# the list's pointer), for the memory limits; measured with tracemalloc, rounded up.
+# What a decoded message holds in memory, per list and per number in it (CPython objects, the
+# list's pointer, and a scheduler's own list of a rank's clocks), for the memory limits;
+# measured with tracemalloc (bench/bench_pfo_memory.py), rounded up.
 _LIST_BYTES = 72
-_NUMBER_BYTES = 44
+_NUMBER_BYTES = 52
 _STRUCT_BYTES = 256
+#: Besides its registration, what a rank costs the server and its scheduler (table entries,
+#: the scheduler's per-rank and per-stage state), measured with 5,000 one-clock ranks.
+_RANK_STATE_BYTES = 2048
+#: A schedule's entry: an (instruction, MHz) tuple and the list's pointer to it.
+_ENTRY_BYTES = 72
+
+
+def _schedule_footprint(schedule: FrequencySchedule) -> int:
+    return _STRUCT_BYTES + _LIST_BYTES + _ENTRY_BYTES * len(schedule.frequencies)
 
 
 def _footprint(message: RankInfo | ProfilingResult) -> int:
-    """Bytes ``message`` holds once decoded (an upper estimate, see the constants)."""
+    """Bytes ``message`` holds once decoded (an upper estimate, see the constants); a rank's
+    also covers the state the server and scheduler keep for it."""
     if isinstance(message, RankInfo):
-        return _STRUCT_BYTES + _LIST_BYTES + _NUMBER_BYTES * len(message.available_frequencies)
+        return (
+            _RANK_STATE_BYTES
+            + _STRUCT_BYTES
+            + _LIST_BYTES
+            + _NUMBER_BYTES * len(message.available_frequencies)
+        )
     lists, numbers = 2, len(message.iter_time) + len(message.iter_energy)
     for breakdown in (message.time_breakdown, message.energy_breakdown):
         for iterations in breakdown.values():
@@ -172,6 +188,7 @@ class _Job:
     #: Memory held by the ranks' registrations and by this round's results (bytes).
     rank_bytes: int = 0
     result_bytes: int = 0
+    schedule_bytes: int = 0
     all_registered: anyio.Event = field(default_factory=anyio.Event)
     state: str = "registering"  # registering, planning, running, failed
     round: int = -1
@@ -324,8 +341,6 @@ class PfoServer:
         try:
             reply = self._dispatch(request, peer, client)
         except _Failure as exc:
-            if exc.code == "forbidden":
-                self.requests_forbidden += 1
             logger.debug("reply error %s: %s", exc.code, exc)
             self._send(peer, p.ErrorReply(code=exc.code, message=str(exc)))
             return
@@ -336,7 +351,7 @@ class PfoServer:
         elif debug and isinstance(request, p.GetSchedule):
             logger.debug("parked until its schedule exists")
 
-    def _job(self, job_id: str, token: str) -> _Job:
+    def _job(self, job_id: str, token: str, *, failed_too: bool = False) -> _Job:
         job = self.jobs.get(job_id)
         if job is None or not hmac.compare_digest(job.token.encode(), token.encode()):
             # One answer for both: a wrong token tells nothing about which job ids exist.
@@ -348,7 +363,7 @@ class PfoServer:
                 "or the token is another job's)",
             )
         job.last_active = self._clock()
-        if job.state == "failed":
+        if job.state == "failed" and not failed_too:
             raise _Failure("scheduler_error", f"job {job_id!r} failed: {job.error}")
         return job
 
@@ -357,7 +372,8 @@ class PfoServer:
             return self._register_job(request.job, client)
         if isinstance(request, p.Info):
             return self._info(request.job_id, request.token)
-        job = self._job(request.job_id, request.token)
+        # A failed job's ranks may still leave it (and so end it).
+        job = self._job(request.job_id, request.token, failed_too=isinstance(request, p.Leave))
         if isinstance(request, p.RegisterRank):
             return self._register_rank(job, request.rank, client)
         if isinstance(request, p.GetSchedule):
@@ -370,7 +386,7 @@ class PfoServer:
     def _held(self, owner: str | None = None) -> int:
         """Bytes held by the jobs of ``owner`` (every job's with ``None``)."""
         return sum(
-            j.rank_bytes + j.result_bytes
+            j.rank_bytes + j.result_bytes + j.schedule_bytes
             for j in self.jobs.values()
             if owner is None or j.owner == owner
         )
@@ -397,11 +413,21 @@ class PfoServer:
         if rank not in job.ranks:
             raise _Failure("bad_rank", f"job {job.info.job_id}: rank {rank} has not registered")
         job.left.add(rank)
-        if len(job.ranks) == job.info.world_size and job.left >= set(job.ranks):
-            self.jobs.pop(job.info.job_id, None)
-            job.scope.cancel()
-            self._fail_parked(job, "evicted", f"job {job.info.job_id} ended")
-            logger.info("job %s ended: all its ranks have left", job.info.job_id)
+        if self._all_left(job):
+            if job.state == "planning":
+                # Its planner runs in a thread that cannot be stopped: the job (and its place
+                # in the limits) stays until the plan returns, then ends (_run_job).
+                return
+            self._end(job)
+
+    def _end(self, job: _Job) -> None:
+        self.jobs.pop(job.info.job_id, None)
+        job.scope.cancel()
+        self._fail_parked(job, "evicted", f"job {job.info.job_id} ended: all its ranks have left")
+        logger.info("job %s ended: all its ranks have left", job.info.job_id)
+
+    def _all_left(self, job: _Job) -> bool:
+        return len(job.ranks) == job.info.world_size and job.left >= set(job.ranks)
 
     def _register_job(self, info: JobInfo, client: str = "") -> p.Reply:
         limits = self.settings
@@ -428,7 +454,9 @@ class PfoServer:
             )
         base = info.make_job_id(self.scheduler_cls.__name__, datetime.now())
         job_id, n = base, 1
-        while job_id in self.jobs:  # same second, same shape: keep ids unique
+        dump = Path(self.settings.dump_dir)
+        # Same second, same shape: keep ids unique, and clear of an ended job's dump folder.
+        while job_id in self.jobs or (self.settings.dump_data and (dump / job_id).exists()):
             n += 1
             stamp, _, rest = base.partition("+")
             job_id = f"{stamp}.{n}+{rest}"
@@ -565,6 +593,13 @@ class PfoServer:
                     schedules = await anyio.to_thread.run_sync(
                         scheduler.next_schedule, abandon_on_cancel=True
                     )
+                    if self._all_left(job):  # every rank left while it planned
+                        self._end(job)
+                        return
+                    job.schedule_bytes = 0
+                    size = sum(_schedule_footprint(s) for s in schedules)
+                    self._check_memory(job, size)
+                    job.schedule_bytes = size
                     by_rank = {s.rank: s for s in schedules}
                     if sorted(by_rank) != list(range(job.info.world_size)):
                         raise RuntimeError(
@@ -603,7 +638,9 @@ class PfoServer:
                     )
             except Exception as exc:
                 job.state = "failed"
-                job.error = f"{type(exc).__name__}: {exc}"
+                job.error = (
+                    str(exc) if isinstance(exc, _Failure) else f"{type(exc).__name__}: {exc}"
+                )
                 logger.error(
                     "job %s: scheduler failed: %s\n%s", job_id, job.error, traceback.format_exc()
                 )
@@ -617,8 +654,10 @@ class PfoServer:
     # -- eviction ---------------------------------------------------------------------------
 
     def evict_idle(self) -> list[str]:
-        """Evict the jobs idle for longer than ``max_job_idle_time``, and those whose ranks
-        have not all registered within ``registration_timeout``; returns their ids."""
+        """Evict the jobs idle for longer than ``max_job_idle_time``, those whose ranks have
+        not all registered within ``registration_timeout``, and failed jobs no rank has asked
+        about for ``registration_timeout`` (time enough to learn the error); returns their
+        ids."""
         now, limit = self._clock(), self.settings.max_job_idle_time
         register_limit = self.settings.registration_timeout
         reasons: dict[str, str] = {}
@@ -627,6 +666,10 @@ class PfoServer:
                 reasons[jid] = (
                     f"job {jid}: {len(j.ranks)} of its {j.info.world_size} ranks registered "
                     f"within {register_limit:g} s"
+                )
+            elif j.state == "failed" and now - j.last_active > register_limit:
+                reasons[jid] = (
+                    f"job {jid} failed, and no rank asked about it for {register_limit:g} s"
                 )
             elif now - j.last_active > limit and j.state != "planning":  # a plan takes a while
                 reasons[jid] = f"job {jid} was idle for over {limit:g} s"
