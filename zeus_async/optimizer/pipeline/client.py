@@ -657,9 +657,9 @@ class PipelineFrequencyOptimizer(ClosedOnExit):
         self._pos += 1
         if self._closed:
             return
+        self._begin_clock(mhz)  # a wait for the clock is no part of the instruction's figures
         if self._current is not None:
             self.monitor.begin_window(f"pfo:{name}", sync_execution=True, restart=True)
-        self._begin_clock(mhz)
 
     def on_instruction_end(self, name: str) -> None:
         """Mark the end of an instruction (waits for its GPU work, then sets the next
