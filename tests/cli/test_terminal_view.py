@@ -267,3 +267,30 @@ def test_long_operations_draw_a_progress_bar_on_a_terminal(tmp_path: Path) -> No
         assert "━" not in (tmp_path / "inspect.txt").read_text()
     finally:
         term.close()
+
+
+@needs_tmux
+def test_an_interrupted_bar_ends_before_the_message(tmp_path: Path) -> None:
+    # Ctrl-C during pfo-plan: the bar stops where it was, and the one-line message comes after
+    # it on a line of its own (it used to be drawn over by the bar's last redraw at exit).
+    sys.path.insert(0, str(ROOT / "tests" / "cli"))
+    from test_cli_pfo import _large_profile
+
+    csv = tmp_path / "profile.csv"
+    _large_profile(csv)
+    command = (
+        f"{sys.executable} -m zeus_async pfo-plan {csv} --microbatches 48 "
+        f"--out {tmp_path / 'plan.json'}"
+    )
+    term = Terminal(tmp_path, 100, 20, command)
+    try:
+        term.wait_for("planning ")
+        term.keys("C-c")
+        lines = [line for line in term.wait_for("EXIT=") if line.strip()]
+        message = "zeus-async pfo-plan: interrupted while planning; no plan written"
+        at = lines.index(message)
+        assert lines[at - 1].startswith("planning ") and "━" in lines[at - 1], lines
+        assert lines[at + 1] == "EXIT=130", lines
+        assert not (tmp_path / "plan.json").exists()
+    finally:
+        term.close()

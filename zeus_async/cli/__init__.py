@@ -46,6 +46,7 @@ from .common import (
     describe_error,
     run_command,
 )
+from .render import stop_progress_bars
 from .streams import format_event
 
 __all__ = ["build_parser", "format_event", "main"]
@@ -121,6 +122,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as caught:  # one line, no traceback (a task group's group of one unwrapped)
+        stop_progress_bars()
         exc = sole_exception(caught)
         if isinstance(exc, BrokenPipeError):
             # The reader of our output went away (`... | head`): stop quietly, as a process

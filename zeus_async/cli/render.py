@@ -272,14 +272,28 @@ def terminal_progress(
             return
         if not state["started"]:
             bar.start()
+            _LIVE_BARS.add(bar)
             state["started"] = True
         state["last"] = now
         bar.update(task, completed=done, total=total or None)
         bar.refresh()
         if finished:
             bar.stop()
+            _LIVE_BARS.discard(bar)
 
     return show
+
+
+#: Progress bars drawing now (started, not finished).
+_LIVE_BARS: set[Progress] = set()
+
+
+def stop_progress_bars() -> None:
+    """End the bars still drawing (work stopped short: an error, Ctrl-C), so what is written
+    next starts on a line of its own rather than under a bar that redraws at exit."""
+    for bar in list(_LIVE_BARS):
+        bar.stop()
+    _LIVE_BARS.clear()
 
 
 @contextmanager
