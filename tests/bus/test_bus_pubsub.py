@@ -319,8 +319,10 @@ async def test_non_local_bind_warns_or_fails(caplog: pytest.LogCaptureFixture) -
 
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="zeus_async.bus"):
-        check_bind_endpoint("foo://x", curve=False, require_curve=True, what="t")
+        check_bind_endpoint("foo://x", curve=False, require_curve=False, what="t")
     assert not caplog.records
+    with pytest.raises(ConfigError, match="require_curve"):  # unknown: refused, to be safe
+        check_bind_endpoint("foo://x", curve=False, require_curve=True, what="t")
     with pytest.raises(ConfigError, match="transport://address"):
         check_bind_endpoint("bogus", curve=False, require_curve=False, what="t")
 

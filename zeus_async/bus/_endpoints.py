@@ -77,15 +77,13 @@ def check_bind_endpoint(endpoint: str, *, curve: bool, require_curve: bool, what
     Raises:
         ConfigError: Policy violated, or the ipc endpoint is in use.
     """
-    local = is_local_endpoint(endpoint)  # also checks the endpoint's form
-    remote = not local and endpoint.lower().startswith(_NETWORK_SCHEMES)
-    if remote:
-        if require_curve and not curve:
+    if not is_local_endpoint(endpoint):  # (which also checks the endpoint's form)
+        if require_curve and not curve:  # an unknown transport too: refusing is safe
             raise ConfigError(
-                f"{what}: endpoint {endpoint!r} is reachable from other hosts and "
+                f"{what}: endpoint {endpoint!r} may be reachable from other hosts and "
                 "require_curve=True, but no CURVE keys were given"
             )
-        if not curve:
+        if not curve and endpoint.lower().startswith(_NETWORK_SCHEMES):
             logger.warning(
                 "%s: binding %s without CURVE: anyone who can reach this host can connect "
                 "(give CURVE keys to encrypt and authenticate)",

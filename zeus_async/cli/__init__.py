@@ -118,8 +118,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     if args.command in agent.SYNC_COMMANDS:
         return agent.SYNC_COMMANDS[args.command](args, stream)
     try:
-        return anyio.run(run_command, _commands()[args.command], args, stream, backend="asyncio")
+        code = anyio.run(run_command, _commands()[args.command], args, stream, backend="asyncio")
+        stop_progress_bars()
+        return code
     except KeyboardInterrupt:
+        stop_progress_bars()
         return 130
     except Exception as caught:  # one line, no traceback (a task group's group of one unwrapped)
         stop_progress_bars()

@@ -37,7 +37,7 @@ from .curve import (
     server_curve_from_args,
 )
 from .monitor import TOTALS_COLUMNS, write_totals
-from .render import Column, counting_status, terminal_progress, write_table
+from .render import Column, counting_status, stop_progress_bars, terminal_progress, write_table
 
 __all__ = ["COMMANDS", "add_parsers"]
 
@@ -379,6 +379,7 @@ async def _replay(args: argparse.Namespace, out: TextIO) -> int:
         replayer = Replayer(reader, speed=args.speed, progress=terminal_progress("replaying"))
         async with until_stopped():
             await replayer.into_runtime(rt)
+    stop_progress_bars()  # stopped short by Ctrl-C: the bar ends where it was
     out.write(f"replayed {replayer.events_published} events\n")
     out.write("\nTotals\n")
     write_totals(out, totals)

@@ -245,13 +245,16 @@ def test_a_failed_job_nobody_asks_about_is_evicted(tmp_path: Path) -> None:
         assert server.call(server.evict_idle) == [bad]
 
 
+@pytest.mark.parametrize("fails", [False, True])
 def test_a_job_whose_ranks_leave_while_it_plans_ends_when_the_plan_returns(
-    tmp_path: Path,
+    tmp_path: Path, fails: bool
 ) -> None:
+    # (With a plan for 3 ranks, the job of 2 fails as planning ends: it ends all the same,
+    # since no rank is left to be told or to leave it.)
     from pfo_helpers import GatedPointSolution
 
     GatedPointSolution.GATE.clear()
-    args = {"solution_path": _plan_file(tmp_path, 2)}
+    args = {"solution_path": _plan_file(tmp_path, 3 if fails else 2)}
     try:
         with running_server(
             tmp_path, scheduler="pfo_helpers:GatedPointSolution", scheduler_args=args,
@@ -270,9 +273,11 @@ def test_a_job_whose_ranks_leave_while_it_plans_ends_when_the_plan_returns(
                 leaving = PfoClient(ep, timeout_s=10.0)
                 leaving.join(job, token)
                 leaving.leave(job, r)
-            time.sleep(0.3)
+            deadline = time.monotonic() + 10
+            while c.info().jobs[0].ranks_left < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
             # Its planner cannot be stopped: the job keeps its place until the plan returns.
-            assert [j.state for j in c.info().jobs] == ["planning"]
+            assert [(j.state, j.ranks_left) for j in c.info().jobs] == [("planning", 2)]
             with pytest.raises(PfoServerError, match="busy"):
                 c.register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
             GatedPointSolution.GATE.set()

@@ -132,6 +132,8 @@ class JobStatus(msgspec.Struct, kw_only=True):
     state: str
     idle_s: float
     error: str = ""
+    #: Ranks that have left (the job ends when all have).
+    ranks_left: int = 0
 
 
 class InfoReply(msgspec.Struct, tag="info", **_OPTS):

@@ -400,13 +400,13 @@ class PfoServer:
             raise _Failure(
                 "busy",
                 f"job {job.info.job_id}: its client's jobs would hold over "
-                f"{limits.max_client_mib:g} MiB of ranks and results (max_client_mib)",
+                f"{limits.max_client_mib:g} MiB of ranks, results and schedules (max_client_mib)",
             )
         if self._held() + adding > limits.max_total_mib * mib:
             raise _Failure(
                 "busy",
                 f"job {job.info.job_id}: the server's jobs would hold over "
-                f"{limits.max_total_mib:g} MiB of ranks and results (max_total_mib)",
+                f"{limits.max_total_mib:g} MiB of ranks, results and schedules (max_total_mib)",
             )
 
     def _leave(self, job: _Job, rank: int) -> None:
@@ -561,6 +561,7 @@ class PfoServer:
                 state=j.state,
                 idle_s=max(0.0, now - j.last_active),
                 error=j.error,
+                ranks_left=len(j.left),
             )
             for j in self.jobs.values()
             if not job_id or j.info.job_id == job_id
@@ -637,13 +638,21 @@ class PfoServer:
                         scheduler.observe, results, abandon_on_cancel=True
                     )
             except Exception as exc:
+                if self._all_left(job):  # nobody is left to be told, or to leave it again
+                    self._end(job)
+                    return
                 job.state = "failed"
-                job.error = (
-                    str(exc) if isinstance(exc, _Failure) else f"{type(exc).__name__}: {exc}"
-                )
-                logger.error(
-                    "job %s: scheduler failed: %s\n%s", job_id, job.error, traceback.format_exc()
-                )
+                if isinstance(exc, _Failure):  # a limit: said in one line
+                    job.error = str(exc)
+                    logger.error("job %s failed: %s", job_id, job.error)
+                else:
+                    job.error = f"{type(exc).__name__}: {exc}"
+                    logger.error(
+                        "job %s: scheduler failed: %s\n%s",
+                        job_id,
+                        job.error,
+                        traceback.format_exc(),
+                    )
                 self._fail_parked(job, "scheduler_error", f"job {job_id} failed: {job.error}")
 
     def _fail_parked(self, job: _Job, code: str, message: str) -> None:
@@ -671,7 +680,8 @@ class PfoServer:
                 reasons[jid] = (
                     f"job {jid} failed, and no rank asked about it for {register_limit:g} s"
                 )
-            elif now - j.last_active > limit and j.state != "planning":  # a plan takes a while
+            elif now - j.last_active > limit and (j.state != "planning" or self._all_left(j)):
+                # A plan takes a while; one that outlives its ranks by max_job_idle_time goes.
                 reasons[jid] = f"job {jid} was idle for over {limit:g} s"
         for job_id, reason in reasons.items():
             job = self.jobs.pop(job_id)
