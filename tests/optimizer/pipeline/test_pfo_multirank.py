@@ -138,4 +138,6 @@ def test_torchrun_pipeline_profiles_plans_and_applies_the_plan(tmp_path: Path) -
     # its 2 x 150 W idle power, far from its 2 x 700 W full power (it was 982.8 W when the
     # simulated GPUs never idled; the rest is instruction edges counted as waiting).
     p_block = float(err.split("P_block ")[1].split(" W")[0])
-    assert 300.0 <= p_block < 500.0, p_block
+    # (Measured 416-476 W; 549.7 W once on a loaded VM, where edges stretch. Half of full power
+    # still tells an idling GPU from one that never idles.)
+    assert 300.0 <= p_block < 700.0, p_block
