@@ -69,7 +69,7 @@ def add_parsers(sub: Any) -> None:
         type=positive_float,
         default=None,
         metavar="MIB",
-        help="memory one client's jobs may hold, ranks and results (default 256)",
+        help="memory one client's jobs may hold: ranks, results, schedules (default 256)",
     )
     srv.add_argument(
         "--max-total-mib",
