@@ -109,13 +109,6 @@ def _layout(cls: type[Any]) -> tuple[tuple[str, _Storage], ...]:
 LAYOUTS: Final[dict[str, tuple[tuple[str, _Storage], ...]]] = {
     tag: _layout(cls) for cls, tag in SAMPLE_TYPES.items()
 }
-#: The optional integer fields (stored as float64 with NaN), typed int64 again in Arrow.
-_NULLABLE_INTS: Final = frozenset(
-    (tag, name)
-    for cls, tag in SAMPLE_TYPES.items()
-    for name, hint in typing.get_type_hints(cls).items()
-    if set(typing.get_args(hint)) == {int, type(None)}
-)
 
 
 def nullable_int_fields(cls: type[Any]) -> list[str]:
@@ -123,6 +116,12 @@ def nullable_int_fields(cls: type[Any]) -> list[str]:
     pandas, where a plain int64 column would turn into floats."""
     hints = typing.get_type_hints(cls)
     return [n for n in cls.__struct_fields__ if set(typing.get_args(hints[n])) == {int, type(None)}]
+
+
+#: The optional integer fields (stored as float64 with NaN), typed int64 again in Arrow.
+_NULLABLE_INTS: Final = frozenset(
+    (tag, name) for cls, tag in SAMPLE_TYPES.items() for name in nullable_int_fields(cls)
+)
 
 
 #: Fields that identify the device a sample is about (part of its device key).
