@@ -538,14 +538,18 @@ def _empty_table(tag: str) -> pa.Table:
     return event_table([], TYPES_BY_TAG[tag])
 
 
+def _event_tables(events: Iterable[Event]) -> dict[str, pa.Table]:
+    """Events of any kinds as one Arrow table per kind, by tag (in order of first appearance)."""
+    grouped: dict[str, list[Event]] = {}
+    for event in events:
+        grouped.setdefault(_tag(type(event)), []).append(event)
+    return {tag: event_table(group, TYPES_BY_TAG[tag]) for tag, group in grouped.items()}
+
+
 def to_arrow(load: ColumnarLoad) -> dict[str, pa.Table]:
     """Every kind of a :class:`ColumnarLoad` as an Arrow table, by tag (samples first)."""
     out: dict[str, Any] = {k: sample_table_to_arrow(t) for k, t in load.tables.items()}
-    grouped: dict[str, list[Event]] = {}
-    for event in load.others:
-        grouped.setdefault(_tag(type(event)), []).append(event)
-    for tag, events in grouped.items():
-        out[tag] = event_table(events, TYPES_BY_TAG[tag])
+    out.update(_event_tables(load.others))
     return out
 
 
@@ -649,12 +653,9 @@ def export_parquet(
         tables = _finish_tables(builders, hosts, False)
         for kind, sample in tables.items():
             write(kind, sample_table_to_arrow(sample))
-        grouped: dict[str, list[Event]] = {}
-        for event in others:
-            grouped.setdefault(_tag(type(event)), []).append(event)
+        for tag, table in _event_tables(others).items():
+            write(tag, table)
         others.clear()
-        for tag, events in grouped.items():
-            write(tag, event_table(events, TYPES_BY_TAG[tag]))
 
     try:
         pending = 0
