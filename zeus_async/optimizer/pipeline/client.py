@@ -49,7 +49,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -158,9 +158,7 @@ class PfoClient:
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
-            self._next_id += 1
-            req_id = struct.pack("<Q", self._next_id)
-            self._sock.send_multipart([b"", req_id, p.encoder.encode(request)])
+            req_id = self._send(request)
             deadline = time.monotonic() + timeout
             while True:
                 left = deadline - time.monotonic()
@@ -180,6 +178,13 @@ class PfoClient:
         if isinstance(reply, p.ErrorReply):
             raise PfoServerError(reply.code, reply.message)
         return reply
+
+    def _send(self, request: p.Request, flags: int = 0) -> bytes:
+        """Send ``request`` under a new request id (the caller holds the lock); the id."""
+        self._next_id += 1
+        req_id = struct.pack("<Q", self._next_id)
+        self._sock.send_multipart([b"", req_id, p.encoder.encode(request)], flags)
+        return req_id
 
     def _expect(self, reply: p.Reply, kind: type[Any]) -> Any:
         if not isinstance(reply, kind):
@@ -230,32 +235,28 @@ class PfoClient:
         ranks have left. Nothing is waited for but the send (at most ``linger_s``; a server
         that is gone costs that much once)."""
         request = p.Leave(job_id=job_id, rank=rank, token=self.tokens.get(job_id, ""))
-        self.cancelled.set()
-        if not self._lock.acquire(timeout=1.0):  # a request is stuck: close() will do
-            return
-        try:
-            if self._sock.closed:
-                return
-            self._next_id += 1
+
+        def send() -> None:
             try:
-                self._sock.send_multipart(
-                    [b"", struct.pack("<Q", self._next_id), p.encoder.encode(request)],
-                    zmq.NOBLOCK,
-                )
+                self._send(request, zmq.NOBLOCK)
             except zmq.ZMQError as exc:
                 logger.debug("could not tell the PFO server that rank %d leaves: %s", rank, exc)
-            self._sock.close(linger=max(0, int(linger_s * 1000)))
-        finally:
-            self._lock.release()
 
-    def close(self) -> None:
-        """Close the socket (call from the thread that makes the requests, or after it ends;
-        a request still holding the socket after 1 s is left to end on its own)."""
+        self.close(linger_s, before=send)
+
+    def close(self, linger_s: float = 0.0, *, before: Callable[[], None] | None = None) -> None:
+        """Close the socket, after ``before()`` (under the lock) and up to ``linger_s`` to send
+        what is queued (call from the thread that makes the requests, or after it ends; a
+        request still holding the socket after 1 s is left to end on its own)."""
         self.cancelled.set()
         if not self._lock.acquire(timeout=1.0):  # e.g. a signal handler interrupted a request
             return
         try:
-            self._sock.close(linger=0)
+            if self._sock.closed:
+                return
+            if before is not None:
+                before()
+            self._sock.close(linger=max(0, int(linger_s * 1000)))
         finally:
             self._lock.release()
 
@@ -848,7 +849,7 @@ class PipelineFrequencyOptimizer(ClosedOnExit):
         self._client.cancelled.set()
         if threading.current_thread() is not self._worker:
             self._worker.join(timeout=5.0)
-        self._client.leave(self.job_id, self.rank)  # the job ends once every rank has left
-        self._client.close()
+        # Leave (and close the client): the job ends once every rank has left.
+        self._client.leave(self.job_id, self.rank)
         if self._own_monitor:
             self.monitor.close()

@@ -42,7 +42,13 @@ from .messages import (
     ProfilingResult,
     RankInfo,
 )
-from .planner import FrontierPoint, InstructionProfile, PipelineSchedule, plan_frontier
+from .planner import (
+    FrontierPoint,
+    InstructionProfile,
+    PipelineSchedule,
+    check_p_block,
+    plan_frontier,
+)
 from .settings import PfoSettings
 
 __all__ = [
@@ -299,10 +305,10 @@ def read_blocking_power(profile_csv: str | Path) -> tuple[float, bool] | None:
         record = msgspec.json.decode(path.read_bytes(), type=_BlockingPower)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ConfigError(f"{path}: not a blocking power file: {exc}") from None
-    value = record.p_block_w
-    if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{path}: p_block_w must be >= 0, not {value!r}")
-    return value, record.given
+    try:
+        return check_p_block(record.p_block_w), record.given
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
 
 
 class PointSolution(FrequencyScheduler):

@@ -375,13 +375,13 @@ class PfoServer:
         # A failed job's ranks may still leave it (and so end it).
         job = self._job(request.job_id, request.token, failed_too=isinstance(request, p.Leave))
         if isinstance(request, p.RegisterRank):
-            return self._register_rank(job, request.rank, client)
+            return self._register_rank(job, request.rank)
         if isinstance(request, p.GetSchedule):
             return self._get_schedule(job, request.rank, peer)
         if isinstance(request, p.Leave):
             self._leave(job, request.rank)
             return None
-        return self._report(job, request.result, client)
+        return self._report(job, request.result)
 
     def _held(self, owner: str | None = None) -> int:
         """Bytes held by the jobs of ``owner`` (every job's with ``None``)."""
@@ -470,7 +470,7 @@ class PfoServer:
         logger.info("job %s registered (%d ranks) by %s", job_id, info.world_size, client)
         return p.JobRegistered(job_id=job_id, token=token)
 
-    def _register_rank(self, job: _Job, rank: RankInfo, client: str = "") -> p.Reply:
+    def _register_rank(self, job: _Job, rank: RankInfo) -> p.Reply:
         job_id = job.info.job_id
         try:
             rank.check_against(job.info)
@@ -510,7 +510,7 @@ class PfoServer:
         job.last_active = self._clock()
         return p.ScheduleReply(schedule=job.schedules[rank], round=job.round, final=job.final)
 
-    def _report(self, job: _Job, result: ProfilingResult, client: str = "") -> p.Reply:
+    def _report(self, job: _Job, result: ProfilingResult) -> p.Reply:
         job_id = job.info.job_id
         if result.rank not in job.ranks:
             raise _Failure("bad_rank", f"job {job_id}: rank {result.rank} has not registered")
