@@ -28,14 +28,16 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
     )
 
 
-def popen(*args: str) -> subprocess.Popen[str]:
-    """``python -m zeus_async ARGS`` in the background, pipes for stdout and stderr."""
+def popen(*args: str, start_new_session: bool = False) -> subprocess.Popen[str]:
+    """``python -m zeus_async ARGS`` in the background, pipes for stdout and stderr (in a
+    process group of its own with ``start_new_session``)."""
     return subprocess.Popen(
         [PY, "-m", "zeus_async", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=_env(),
+        start_new_session=start_new_session,
     )
 
 

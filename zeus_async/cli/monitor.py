@@ -350,7 +350,11 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
                     if view is not None:
                         view.__exit__(None, None, None)
             signum = stop_signal()
-            if child is not None and not exited.is_set() and signum is not None:
+            if child is not None and child.poll() is not None:
+                # The command ended (a Ctrl-C reaches it too, and the signal may cancel the
+                # loop above just as it notices): its status, whichever came first.
+                code = exit_status(child.returncode)
+            elif child is not None and signum is not None:
                 # Interrupted with the command still running: the status of a shell whose
                 # command was killed by that signal (130 for Ctrl-C), not success.
                 code = 128 + signum
