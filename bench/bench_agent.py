@@ -62,7 +62,7 @@ def _wait(timeout_s: float = 15.0) -> tuple[bool, bool]:
         limits, clocks = _restored()
         if (limits and clocks) or time.monotonic() > deadline:
             return limits, clocks
-        time.sleep(0.05)
+        time.sleep(0.01)
 
 
 def _group(sig: int) -> Callable[[subprocess.Popen[str], int], None]:
@@ -74,6 +74,16 @@ def _group(sig: int) -> Callable[[subprocess.Popen[str], int], None]:
 
 def _kill_job(proc: subprocess.Popen[str], agent: int) -> None:
     proc.kill()
+
+
+def _kill_job_unreaped(proc: subprocess.Popen[str], agent: int) -> None:
+    # The launcher captures the job's output and reads it to the end before it reaps (as
+    # subprocess.run(capture_output=True) does): the job stays a zombie meanwhile.
+    proc.kill()
+
+
+def _kill_agent(proc: subprocess.Popen[str], agent: int) -> None:
+    os.kill(agent, signal.SIGKILL)
 
 
 def _kill_all(proc: subprocess.Popen[str], agent: int) -> None:
@@ -117,6 +127,12 @@ KINDS: dict[str, tuple[Setup, float, Callable[[subprocess.Popen[str], int], None
     "Ctrl-C to the process group": (_no_target, 0.0, _group(signal.SIGINT)),
     "SIGTERM to the process group": (_no_target, 0.0, _group(signal.SIGTERM)),
     "SIGKILL of the training process": (_no_target, 0.0, _kill_job),
+    "SIGKILL of the training process, never reaped, output captured": (
+        _no_target,
+        0.0,
+        _kill_job_unreaped,
+    ),
+    "SIGKILL of its agent (the job restores)": (_no_target, 0.0, _kill_agent),
     "SIGKILL of job and agent, then agent --restore": (_no_target, 0.0, _kill_all),
     "disk full under record= (then Ctrl-C)": (_disk_full, 0.5, _group(signal.SIGINT)),
     "stalled record= target, a full pipe (then Ctrl-C)": (
@@ -129,14 +145,22 @@ KINDS: dict[str, tuple[Setup, float, Callable[[subprocess.Popen[str], int], None
 
 def trial(
     setup: Setup, wait_s: float, stop: Callable[[subprocess.Popen[str], int], None]
-) -> tuple[bool, bool]:
+) -> tuple[bool, bool, float]:
+    """One job stopped one way: (limits restored, clocks restored, seconds from the stop until
+    both were, or until the 15 s wait gave up)."""
     with setup() as (args, env):
-        proc, agent_pid = start_restore_job(*args, env=_env(**env), stderr=subprocess.DEVNULL)
+        proc, agent_pid = start_restore_job(*args, env=_env(**env), stderr=subprocess.PIPE)
         try:
             time.sleep(wait_s)
+            t0 = time.monotonic()
             stop(proc, agent_pid)
-            proc.wait(timeout=30)
-            return _wait()
+            if stop is not _kill_job_unreaped and stop is not _kill_agent:
+                proc.wait(timeout=30)
+            limits, clocks = _wait()
+            took = time.monotonic() - t0
+            if stop is _kill_job_unreaped:
+                proc.communicate(timeout=10)  # the pipes reach their end: nothing holds them
+            return limits, clocks, took
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -339,17 +363,26 @@ def bench_edges(n: int) -> None:
 
 def bench_restore(trials: int, only: str | None) -> None:
     print(f"{trials} trials per row; 2 simulated GPUs; limit capped on both, clock on one\n")
-    print("| how the job stopped | power limits restored | clock locks restored |")
-    print("|---|---:|---:|")
+    print(
+        "| how the job stopped | power limits restored | clock locks restored "
+        "| time to restore, median | max |"
+    )
+    print("|---|---:|---:|---:|---:|")
     for name, (setup, wait_s, stop) in KINDS.items():
         if only and only not in name:
             continue
         limits = clocks = 0
+        times = []
         for _ in range(trials):
-            ok_limits, ok_clocks = trial(setup, wait_s, stop)
+            ok_limits, ok_clocks, took = trial(setup, wait_s, stop)
             limits += 2 if ok_limits else 0
             clocks += 1 if ok_clocks else 0
-        print(f"| {name} | {limits}/{2 * trials} | {clocks}/{trials} |", flush=True)
+            times.append(took)
+        print(
+            f"| {name} | {limits}/{2 * trials} | {clocks}/{trials} "
+            f"| {statistics.median(times):.2f} s | {max(times):.2f} s |",
+            flush=True,
+        )
 
 
 def main() -> None:

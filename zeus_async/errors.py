@@ -22,6 +22,7 @@ __all__ = [
     "DeviceLostError",
     "DeviceNotFoundError",
     "DriverNotLoadedError",
+    "JournalError",
     "LeaseConflictError",
     "NoPermissionError",
     "NotSupportedError",
@@ -46,6 +47,12 @@ class LeaseConflictError(ZeusAsyncError):
     Two clients asking different settings for one GPU would undo each other's changes; the
     second is refused until the first releases its lease (see :mod:`zeus_async.agent`).
     """
+
+
+class JournalError(ZeusAsyncError):
+    """A hardware setting was left unchanged because the value to put back could not be
+    journalled first (a full or read-only private directory): a change is never applied
+    unjournalled, since nothing could then restore it after a crash."""
 
 
 class CodecError(ZeusAsyncError, ValueError):

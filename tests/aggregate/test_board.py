@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import fcntl
 import itertools
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from zeus_async.agent.journal import lock_held
 from zeus_async.aggregate import WindowResult
 from zeus_async.aggregate.board import (
+    _COARSE,
     _ENTRY,
     _FINE,
     _HEAD,
     BoardReader,
     PowerBoard,
+    _layout,
     provisional_measurement,
+    sweep_stale_boards,
 )
 
 MS = 1_000_000
@@ -159,3 +165,49 @@ def test_irregular_readings_are_found_wherever_the_edge_falls() -> None:
         got_a, got_b = reader.cumulative("gpu:0", a), reader.cumulative("gpu:0", b)
         assert got_a is not None and got_b is not None
         assert got_b[0] - got_a[0] == pytest.approx(_trapezoid(kept, a, b), rel=1e-9, abs=1e-9)
+
+
+def test_a_board_file_is_allocated_up_front_and_locked_while_it_lives(tmp_path: Path) -> None:
+    # Sparse, its pages would be allocated when first written: on a full file system, a
+    # SIGBUS in the sampler.
+    path = tmp_path / f"board-{os.getpid()}-ab"
+    board = PowerBoard(["gpu:0", "gpu:1"], path)
+    st = os.stat(path)
+    assert st.st_size == _layout(2, _FINE, _COARSE)[2]
+    assert st.st_blocks * 512 >= st.st_size
+    assert lock_held(path)
+    board.close()
+    assert not path.exists()
+    board.close()  # idempotent
+
+
+def test_boards_of_dead_writers_are_swept_by_the_next_board(tmp_path: Path) -> None:
+    reaped = subprocess.Popen([sys.executable, "-c", ""])
+    reaped.wait()
+    zombie = subprocess.Popen([sys.executable, "-c", ""])
+    # Exited, not reaped: a zombie (its pid cannot be reused meanwhile).
+    os.waitid(os.P_PID, zombie.pid, os.WEXITED | os.WNOWAIT)
+    try:
+        names = {
+            "reaped": f"board-{reaped.pid}-0a",
+            "zombie": f"board-{zombie.pid}-0b",
+            "live pid": f"board-{os.getpid()}-0c",  # this process: alive, lock or not
+            "locked": f"board-{zombie.pid}-0d",  # a writer in another pid namespace
+            "other": "board-notes",
+        }
+        for name in names.values():
+            (tmp_path / name).write_bytes(b"\0" * 64)
+        fd = os.open(tmp_path / names["locked"], os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            board = PowerBoard(["gpu:0"], tmp_path / f"board-{os.getpid()}-0e")
+            left = sorted(p.name for p in tmp_path.iterdir())
+            kept = [names["live pid"], names["locked"], names["other"], f"board-{os.getpid()}-0e"]
+            assert left == sorted(kept)
+            board.close()
+        finally:
+            os.close(fd)
+        # The lock let go: swept by the next one.
+        assert sweep_stale_boards(tmp_path) == [tmp_path / names["locked"]]
+    finally:
+        zombie.wait()

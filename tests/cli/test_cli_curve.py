@@ -65,7 +65,7 @@ def _client(keys: Path, name: str = "client", folder: str = "clients") -> tuple[
 def _stop(proc: subprocess.Popen[str]) -> None:
     proc.terminate()
     proc.communicate(timeout=30)
-    assert proc.returncode == 0
+    assert proc.returncode == 143  # stopped by SIGTERM, cleanly: 128 + 15
 
 
 def test_monitor_publishes_to_allowed_clients_only(keys: Path) -> None:

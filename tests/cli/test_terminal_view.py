@@ -242,7 +242,7 @@ def test_monitor_follows_a_resized_and_short_terminal(tmp_path: Path) -> None:
         _check_view(term.screen(), 80, 8)
         term.keys("C-c")
         lines = term.wait_for("EXIT=")
-        assert "EXIT=0" in lines, "\n".join(lines)
+        assert "EXIT=130" in lines, "\n".join(lines)
     finally:
         term.close()
 

@@ -32,10 +32,10 @@ from typing import Any
 
 import anyio
 import msgspec
-import psutil
 import zmq
 import zmq.asyncio
 
+from .._liveness import ProcessWatch
 from .._paths import private_dir
 from ..errors import ConfigError, sole_exception
 from ..events import Measurement
@@ -75,18 +75,41 @@ def _node_lock() -> Iterator[bool]:
         os.close(fd)
 
 
-class _Client:
-    __slots__ = ("create_time", "ident", "label", "log", "measured", "name", "pid", "visible")
+def peer_credentials(frame: Any) -> tuple[int, int] | None:
+    """``(uid, pid)`` of the process at the other end of an ipc connection, from the kernel
+    (``SO_PEERCRED``, which libzmq exposes as the frame property ``Peer-Address``:
+    ``host:uid:gid:pid``); ``None`` on a transport without credentials (tcp)."""
+    try:
+        address = frame.get("Peer-Address")
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return None
+    parts = str(address).rsplit(":", 3)
+    if len(parts) != 4:
+        return None
+    try:
+        return int(parts[1]), int(parts[3])
+    except ValueError:
+        return None
 
-    def __init__(self, ident: bytes, hello: Hello, visible: list[int] | None) -> None:
+
+class _Client:
+    """One connection: its own lease holder, whatever other connections its process has.
+
+    Its pid is the kernel's (the connection's credentials), never the one its hello claims;
+    it is dead when that process has exited, zombie or not (:class:`ProcessWatch`).
+    """
+
+    __slots__ = ("ident", "label", "measured", "name", "pid", "visible", "watch")
+
+    def __init__(
+        self, ident: bytes, name: str, pid: int, serial: int, visible: list[int] | None
+    ) -> None:
         self.ident = ident
-        self.pid = hello.pid
-        self.name = hello.name or f"pid{hello.pid}"
-        self.label = f"{self.name} (pid {hello.pid})"
-        try:
-            self.create_time: float | None = psutil.Process(hello.pid).create_time()
-        except psutil.Error:
-            self.create_time = None
+        self.pid = pid
+        self.name = name
+        # Unique per connection: two Monitors in one process are two lease holders.
+        self.label = f"{name} (pid {pid}, client {serial})"
+        self.watch = ProcessWatch(pid)
         # The client's GPU i is the agent's GPU visible[i] (None: the same indices).
         self.visible = visible
         # The agent's GPUs its windows measure (None: all): only its own, not every GPU of
@@ -94,10 +117,7 @@ class _Client:
         self.measured: frozenset[int] | None = None
 
     def alive(self) -> bool:
-        try:
-            return psutil.Process(self.pid).create_time() == self.create_time
-        except psutil.Error:
-            return False
+        return self.watch.alive()
 
     def to_agent(self, gpus: list[int] | None) -> list[int] | None:
         if gpus is None:
@@ -146,9 +166,15 @@ class Agent:
         # Agent-side window id -> (client ident, client's window id, client's name).
         self.windows: dict[int, tuple[bytes, int, str]] = {}
         self._ids = itertools.count(1)
+        self._serials = itertools.count(1)
+        self._leaving: dict[bytes, anyio.Event] = {}
+        # The owner of a private agent: dead once it exited, zombie or not.
+        self.owner = ProcessWatch(cfg.owner_pid) if self.private else None
         self.enc = msgspec.msgpack.Encoder()
         self.idle_since = anyio.current_time()
         self.stopping = anyio.Event()
+        #: The signal that stopped the agent, if one did.
+        self.signum: int | None = None
         tracker = rt.tracker
         board = tracker.board if tracker is not None else None
         #: The power board's file, which clients map for provisional window figures.
@@ -178,11 +204,43 @@ class Agent:
 
     # -- clients ----------------------------------------------------------------------------
 
-    def hello(self, ident: bytes, hello: Hello) -> None:
+    def _identify(self, hello: Hello, peer: tuple[int, int] | None) -> tuple[int, str]:
+        """The client's pid (the kernel's word) and a name unique among the clients.
+
+        Raises:
+            ConfigError: The hello claims another process's pid, comes from another user, or
+                (a private agent) from a process other than its owner.
+        """
+        pid = hello.pid
+        if peer is not None:
+            uid, pid = peer
+            if uid != os.getuid() and os.getuid() != 0:
+                raise ConfigError(
+                    f"refused a client of uid {uid}: this agent serves uid {os.getuid()}"
+                )
+            if hello.pid != pid:
+                raise ConfigError(
+                    f"refused a hello that names pid {hello.pid} from process {pid}: a client "
+                    "speaks only for itself"
+                )
+        if self.private and pid != self.cfg.owner_pid:
+            raise ConfigError(
+                f"refused process {pid}: this private agent serves process {self.cfg.owner_pid}"
+            )
+        name = hello.name or f"pid{pid}"
+        taken = {c.name for c in self.clients.values()}
+        if name in taken:
+            name = next(f"{name}#{n}" for n in itertools.count(2) if f"{name}#{n}" not in taken)
+        return pid, name
+
+    def hello(self, ident: bytes, hello: Hello, peer: tuple[int, int] | None = None) -> None:
+        if ident in self.clients:
+            raise ConfigError("this connection has said hello already")
+        pid, name = self._identify(hello, peer)
         visible = None
         if not self.private:
             visible = self._visible_for(hello.cuda_visible)
-        client = _Client(ident, hello, visible)
+        client = _Client(ident, name, pid, next(self._serials), visible)
         tracker = self.rt.tracker
         assert tracker is not None
         gpus = sorted(tracker.gpu_indices)
@@ -234,9 +292,23 @@ class Agent:
         return list(parse_cuda_visible_devices(cuda_visible, len(uuids), uuids))
 
     async def goodbye(self, ident: bytes, *, dead: bool = False) -> None:
-        client = self.clients.get(ident)
-        if client is None:
+        """Forget a client: its windows finalized, its leases restored and released. A second
+        call while the first runs waits for it (the watch and a control may both find the
+        same client dead)."""
+        leaving = self._leaving.get(ident)
+        if leaving is not None:
+            await leaving.wait()
             return
+        if ident not in self.clients:
+            return
+        self._leaving[ident] = anyio.Event()
+        try:
+            await self._goodbye(ident, dead)
+        finally:
+            self._leaving.pop(ident).set()
+
+    async def _goodbye(self, ident: bytes, dead: bool) -> None:
+        client = self.clients[ident]
         tracker = self.rt.tracker
         assert tracker is not None
         prefix = "" if self.private else f"{client.name}/"
@@ -259,6 +331,7 @@ class Agent:
                 "client %s died; restored %d setting(s) it had changed", client.label, len(released)
             )
         del self.clients[ident]
+        client.watch.close()
         if not dead:
             self.send(ident, Reply(kind="bye"))
         if not self.clients:
@@ -271,6 +344,10 @@ class Agent:
             return
         try:
             gpus = client.to_agent(msg.gpus)
+            if msg.op in ("set_power_limit", "set_sm_clocks"):
+                # A client that died since the last watch (a job restarted right after a
+                # SIGKILL) gives its leases back first, rather than block this change.
+                await self.reap_dead_clients()
             if msg.op == "set_power_limit":
                 await self.rt.set_power_limit(
                     msg.watts, gpus, source=msg.source, holder=client.label, pid=client.pid
@@ -312,19 +389,23 @@ class Agent:
         except ValueError as exc:  # the client keeps the books; this is a bug
             logger.error("bad window edge from %s %r: %s", client.label, msg, exc)
 
+    async def reap_dead_clients(self) -> None:
+        """Say goodbye for every client whose process has exited (zombie or not)."""
+        for ident, client in list(self.clients.items()):
+            if not client.alive():
+                await self.goodbye(ident, dead=True)
+
     async def watch(self) -> None:
         """Notice dead clients (and a dead owner) and clean up after them."""
         while True:
             await anyio.sleep(_WATCH_S)
-            if self.private and not psutil.pid_exists(self.cfg.owner_pid):
+            if self.owner is not None and not self.owner.alive():
                 logger.warning(
                     "owner process %d is gone; restoring and stopping", self.cfg.owner_pid
                 )
                 self.stopping.set()
                 return
-            for ident, client in list(self.clients.items()):
-                if not client.alive():
-                    await self.goodbye(ident, dead=True)
+            await self.reap_dead_clients()
             idle = self.cfg.exit_when_idle_s
             if (
                 idle is not None
@@ -340,12 +421,14 @@ async def _signals(agent: Agent) -> None:
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as received:
         async for signum in received:
             logger.warning("signal %d: restoring hardware settings and stopping", signum)
+            agent.signum = int(signum)
             agent.stopping.set()
             return
 
 
-async def run_agent(cfg: AgentConfig, *, ready_line: bool = False) -> None:
-    """Run an agent until it is told to stop (see the module docstring)."""
+async def run_agent(cfg: AgentConfig, *, ready_line: bool = False) -> int | None:
+    """Run an agent until it is told to stop (see the module docstring); the signal that
+    stopped it, if one did."""
     from ..devices.sim import SimConfig
 
     actx = zmq.asyncio.Context()
@@ -365,7 +448,7 @@ async def run_agent(cfg: AgentConfig, *, ready_line: bool = False) -> None:
     finally:
         os.umask(old_umask)
     try:
-        await _run_runtime(cfg, router, dec, sim_config, processes, ready_line)
+        return await _run_runtime(cfg, router, dec, sim_config, processes, ready_line)
     except Exception as exc:
         if cfg.owner_pid:
             await _tell_owner(router, dec, sole_exception(exc))
@@ -402,7 +485,7 @@ async def _run_runtime(
     sim_config: Any,
     processes: Any,
     ready_line: bool,
-) -> None:
+) -> int | None:
     from ..monitor import window_log_consumer
 
     if True:
@@ -449,6 +532,7 @@ async def _run_runtime(
                 tg.cancel_scope.cancel()
             for ident in list(agent.clients):
                 await agent.goodbye(ident)
+            return agent.signum
 
 
 async def _serve(agent: Agent, dec: msgspec.msgpack.Decoder[Any]) -> None:
@@ -463,7 +547,10 @@ async def _serve(agent: Agent, dec: msgspec.msgpack.Decoder[Any]) -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(control_worker)
         while True:
-            ident, data = await agent.router.recv_multipart()
+            frames = await agent.router.recv_multipart(copy=False)
+            if len(frames) != 2:
+                continue
+            ident, data = frames[0].bytes, frames[1].buffer
             try:
                 msg = dec.decode(data)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -475,10 +562,10 @@ async def _serve(agent: Agent, dec: msgspec.msgpack.Decoder[Any]) -> None:
                 await controls_in.send((ident, msg))
             elif isinstance(msg, Hello):
                 try:
-                    agent.hello(ident, msg)
+                    agent.hello(ident, msg, peer_credentials(frames[1]))
                 except Exception as exc:
                     agent.send(ident, Reply(kind="error", **error_reply_fields(exc)))  # type: ignore[arg-type]
-            elif isinstance(msg, Bye):
+            elif isinstance(msg, Bye) and ident in agent.clients:
                 await agent.goodbye(ident)
                 if agent.private:
                     agent.stopping.set()
@@ -493,7 +580,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def serve(cfg: AgentConfig, *, ready_line: bool = False) -> int:
-    """Run an agent in this process; returns an exit code.
+    """Run an agent in this process; returns an exit code (128 + N when signal N stopped it,
+    as for any command stopped by a signal).
 
     A node agent first takes the node lock (exit code :data:`EXIT_AGENT_RUNNING` when another
     node agent holds it) and restores whatever dead processes left changed.
@@ -506,12 +594,14 @@ def serve(cfg: AgentConfig, *, ready_line: bool = False) -> int:
             logger.error("another node agent is running (%s)", private_dir() / NODE_LOCK)
             return EXIT_AGENT_RUNNING
         try:
-            anyio.run(functools.partial(run_agent, cfg, ready_line=ready_line), backend="asyncio")
+            signum = anyio.run(
+                functools.partial(run_agent, cfg, ready_line=ready_line), backend="asyncio"
+            )
         except Exception as exc:
             exc = sole_exception(exc)  # type: ignore[assignment]
             logger.error("%s: %s", type(exc).__name__, exc)
             return 1
-    return 0
+    return 0 if signum is None else 128 + signum
 
 
 if __name__ == "__main__":

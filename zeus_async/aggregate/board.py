@@ -16,15 +16,28 @@ Each ring entry carries its sequence number before and after its data; the write
 first, then the data, then the second, so a reader that finds both equal to the number it
 expects read a complete entry (a torn read is retried). The header is written once, before any
 reader can know the file.
+
+A board shared through a file (the agent's, ``<private dir>/board-<pid>-<random>``) has its
+whole size allocated when it is created (``posix_fallocate``): a sparse file would fail only
+when a page is first written, and on a full file system that failure is a SIGBUS that kills
+the sampler. Allocated up front, a full or read-only directory is an ``OSError`` at creation,
+and the agent goes on without a board (its clients then get the exact figures only). The
+file never grows after that. (On a copy-on-write file system, btrfs, every rewrite needs a new
+block whatever was allocated: there a full disk blocks the writer; docs/agent.md says to keep
+the private directory on a tmpfs.) Its writer holds an ``flock`` on it while it lives and removes it
+when it closes; a board left by a process that died (killed, crashed) is removed by the next
+board created in the same directory (:func:`sweep_stale_boards`).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
+import re
 import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -36,7 +49,7 @@ from .history import LATE_FACTOR, EnergyEstimate, window_measurement
 if TYPE_CHECKING:
     from .windows import WindowResult
 
-__all__ = ["BoardReader", "PowerBoard", "provisional_measurement"]
+__all__ = ["BoardReader", "PowerBoard", "provisional_measurement", "sweep_stale_boards"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +81,12 @@ class PowerBoard:
 
     Args:
         keys: The devices it holds (``gpu:0``, ``cpu:0/package``, ...), at most 24 bytes each.
-        path: A file to map, so that other processes can read it (created, owner only;
-            removed by :meth:`close`); ``None`` for an anonymous map read in this process.
+        path: A file to map, so that other processes can read it (created, owner only,
+            allocated whole and locked; removed by :meth:`close`); ``None`` for an anonymous
+            map read in this process. Stale boards in its directory are swept first.
+
+    Raises:
+        OSError: The file cannot be created or allocated (a full or read-only directory).
     """
 
     def __init__(self, keys: Sequence[str], path: str | os.PathLike[str] | None = None) -> None:
@@ -77,15 +94,13 @@ class PowerBoard:
         self.path = None if path is None else Path(path)
         self._fine, self._coarse = _FINE, _COARSE
         first, block, size = _layout(len(self.keys), self._fine, self._coarse)
+        # The file's descriptor, locked (flock) while this board lives: the sweeper's sign.
+        self._fd: int | None = None
         if self.path is None:
             self._map = mmap.mmap(-1, size)
         else:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.ftruncate(fd, size)
-                self._map = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
+            sweep_stale_boards(self.path.parent)
+            self._fd, self._map = _allocate(self.path, size)
         _HEADER.pack_into(self._map, 0, _MAGIC, len(self.keys), _FINE, _COARSE, _COARSE_STEP_NS)
         self._slot: dict[str, int] = {}
         for i, key in enumerate(self.keys):
@@ -154,10 +169,98 @@ class PowerBoard:
         return BoardReader(self._map)
 
     def close(self) -> None:
-        """Remove the file (readers that mapped it keep their view)."""
-        if self.path is not None:
+        """Remove the file and let go of its lock (readers that mapped it keep their view).
+        Idempotent."""
+        if self.path is not None and self._fd is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
+            os.close(self._fd)
+            self._fd = None
+
+
+def _allocate(path: Path, size: int) -> tuple[int, mmap.mmap]:
+    """``path`` created (owner only), locked, allocated to ``size`` bytes and mapped: its
+    descriptor (the lock lives as long as it stays open) and the map.
+
+    Raises:
+        OSError: The file cannot be created or allocated (``ENOSPC``, ``EROFS``, ...); nothing
+            is left behind.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        # Locked before anything else: a sweeper that sees the file in the meantime finds
+        # its owner alive (the pid in its name) or its lock held. (Held: another live board.)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        os.ftruncate(fd, 0)
+        # Every block now, so writing through the map never faults for want of space (tmpfs,
+        # ext4, xfs rewrite allocated blocks in place; a copy-on-write file system does not).
+        os.posix_fallocate(fd, 0, size)
+        return fd, mmap.mmap(fd, size)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        os.close(fd)
+        raise
+
+
+#: Name of a board file the agent creates: ``board-<pid of its writer>-<random hex>``.
+_BOARD_NAME = re.compile(r"board-(\d+)-[0-9a-f]+")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not: it holds no files, and its pid is
+    not reused until it is reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return not os.path.isdir("/proc/self")  # gone meanwhile; or no /proc: what kill said
+    except OSError:
+        return True
+    fields = stat.rpartition(b")")[2].split()
+    return not fields or fields[0] not in (b"Z", b"X")
+
+
+def sweep_stale_boards(directory: Path) -> list[Path]:
+    """Remove the board files in ``directory`` left by processes that died without closing
+    them (SIGKILL, a crash): those whose writer (the pid in the name) is not alive and whose
+    lock nobody holds. Returns the files removed. Never raises: a directory that cannot be
+    read or written is left as it is."""
+    removed: list[Path] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        match = _BOARD_NAME.fullmatch(name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        path = directory / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            path.unlink()
+        except OSError as exc:  # locked (its writer lives, in another pid namespace), EROFS
+            logger.debug("board %s left in place: %s", path, exc)
+        else:
+            removed.append(path)
+            logger.info("removed the power board %s of dead process %s", path, match.group(1))
+        finally:
+            os.close(fd)
+    return removed
 
 
 class BoardReader:

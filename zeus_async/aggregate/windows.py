@@ -299,7 +299,8 @@ class WindowTracker:
         board: Publish every power reading on a :class:`~zeus_async.aggregate.board.PowerBoard`
             (``True``: an anonymous one, read in this process; a path: a file other
             processes map; ``False``: none), so that closed windows have provisional figures
-            at once. :attr:`board` is it.
+            at once. :attr:`board` is it; ``None`` when its file could not be created (a full
+            or read-only directory: a warning, and the exact figures only).
     """
 
     def __init__(
@@ -336,8 +337,18 @@ class WindowTracker:
             keys = [f"gpu:{g}" for g in self.gpu_indices] + [
                 f"cpu:{p}/{domain}" for p in self.cpu_packages for domain in ("package", "dram")
             ]
-            self.board = PowerBoard(keys, None if board is True else board)
-            self._board_reader = self.board.reader()
+            try:
+                self.board = PowerBoard(keys, None if board is True else board)
+            except OSError as exc:
+                # A full or read-only directory: no provisional figures, and nothing else lost.
+                logger.warning(
+                    "no power board (%s: %s): clients get no provisional window figures, only "
+                    "the exact ones; sampling, windows and restores go on",
+                    board,
+                    exc.strerror or exc,
+                )
+            else:
+                self._board_reader = self.board.reader()
         # Board keys of the devices a window measures, by its GPUs (None: all).
         self._board_keys: dict[frozenset[int] | None, dict[str, str]] = {}
         self._open: dict[str, tuple[int, int]] = {}

@@ -7,11 +7,14 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ..errors import ZeusAsyncError
 from .common import EXIT_ERROR, EXIT_OK, CliError, describe_error, period, positive_float
 from .curve import add_server_curve_args, server_curve_from_args
+
+if TYPE_CHECKING:
+    from ..agent.leases import Recovery
 
 __all__ = ["SYNC_COMMANDS", "add_parsers"]
 
@@ -57,13 +60,7 @@ def _agent(args: argparse.Namespace, out: TextIO) -> int:
 
     try:
         if args.restore:
-            restored = recover_orphans()
-            for r in restored:
-                what = "power limit" if r.entry.setting == "power_limit" else "locked clocks"
-                status = f"failed: {r.error}" if r.error else "restored"
-                out.write(f"{r.entry.uuid} {what} (left by pid {r.entry.pid}): {status}\n")
-            out.write(f"{len(restored)} setting(s) found to restore\n")
-            return EXIT_ERROR if any(r.error for r in restored) else EXIT_OK
+            return _restore(recover_orphans(), out)
         cfg = node_agent_config(
             backend=args.backend,
             period_s=args.period,
@@ -87,7 +84,26 @@ def _agent(args: argparse.Namespace, out: TextIO) -> int:
     if code == EXIT_AGENT_RUNNING:
         sys.stderr.write("zeus-async agent: another agent is already running on this node\n")
         return EXIT_ERROR
+    if code > 128:  # stopped by a signal, everything restored: 130 after Ctrl-C
+        return code
     return EXIT_OK if code == 0 else EXIT_ERROR
+
+
+def _restore(recovery: Recovery, out: TextIO) -> int:
+    """``--restore``'s report: each setting restored or not, each that a damaged journal lost,
+    each damaged journal kept; nonzero unless everything dead processes changed is back."""
+    for r in recovery.restored:
+        out.write(f"{r.describe()}\n")
+    for lost in recovery.lost:
+        out.write(f"NOT RECOVERED: {lost.describe()}\n")
+    for path in recovery.kept:
+        out.write(f"damaged journal kept as {path}\n")
+    done = len(recovery.restored) - len(recovery.failed)
+    out.write(f"{len(recovery.restored)} setting(s) found to restore, {done} restored")
+    if recovery.lost:
+        out.write(f"; {len(recovery.lost)} could not be recovered from damaged journals")
+    out.write("\n")
+    return EXIT_OK if recovery.complete else EXIT_ERROR
 
 
 # -- entry point --------------------------------------------------------------------------------

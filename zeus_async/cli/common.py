@@ -171,7 +171,8 @@ async def run_command(
     args: argparse.Namespace,
     out: TextIO,
 ) -> int:
-    """Run one CLI command with SIGINT/SIGTERM caught before it starts.
+    """Run one CLI command with SIGINT/SIGTERM caught before it starts; its exit status (128 +
+    the signal's number when a signal stopped a command that would have returned 0).
 
     A command prints its ready line (an endpoint, "Ctrl-C to stop") before it enters
     :func:`until_stopped`; a signal sent as soon as that line is read must still end the
@@ -198,6 +199,10 @@ async def run_command(
         _stop_signal.reset(signal_token)
     if error is not None:
         raise error
+    if received and code == EXIT_OK:
+        # Stopped by Ctrl-C or SIGTERM: the status of a process that signal killed (130,
+        # 143), as a shell, top or nvitop report it — on every command, not success.
+        return 128 + received[0]
     return code
 
 

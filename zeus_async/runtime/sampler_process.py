@@ -24,21 +24,22 @@ import collections
 import contextlib
 import logging
 import os
+import re
 import select
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 import zmq
 
+from .._liveness import ProcessWatch, pid_alive
 from .._paths import private_dir
 from ..agent.protocol import (
     AgentConfig,
@@ -127,7 +128,6 @@ class SamplerProcess:
             raise ConfigError(f"period_s must be positive, got {period_s!r}")
         if processes is not None and processes.root is None and processes.pids is None:
             processes = msgspec.structs.replace(processes, root=os.getpid())
-        self._dir = tempfile.mkdtemp(prefix="zeus-async-")
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._enc = msgspec.msgpack.Encoder()
@@ -156,9 +156,20 @@ class SamplerProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self.attached = attach is not None
         self._agent_pid = 0
+        self._agent_watch: ProcessWatch | None = None
         self._agent_fd: int | None = None
+        # A private agent's socket (removed at close; swept at a later start when its owner
+        # died without closing), and the read end of its stderr.
+        self._files: list[Path] = []
+        self._agent_out: int | None = None
+        self._out_partial = b""
+        self._out_tail = b""
         if attach is None:
-            endpoint = f"ipc://{private_dir()}/a-{os.getpid()}-{os.urandom(4).hex()}.sock"
+            directory = private_dir()
+            sweep_dead_owners(directory)
+            stem = directory / f"a-{os.getpid()}-{os.urandom(4).hex()}"
+            self._files = [stem.with_suffix(".sock")]
+            endpoint = f"ipc://{self._files[0]}"
             sim_json = None
             if sim_config is not None:
                 sim_json = msgspec.json.encode(sim_config).decode()
@@ -185,21 +196,32 @@ class SamplerProcess:
                 otlp=otlp,
                 otlp_interval_s=otlp_interval_s,
             )
-            # The agent's warnings (a recording that failed, a restore) go to our stderr,
-            # where the user looks; its start-up errors also come back typed (see Hello).
-            self._stderr = open(os.path.join(self._dir, "stderr"), "w+b")  # noqa: SIM115
+            # The agent's warnings (a recording that failed, a restore) come through a pipe of
+            # our own, which the I/O thread passes on to this process's logging, where the
+            # user looks; its start-up errors also come back typed (see Hello). Never our
+            # stderr itself: a launcher that reads our output to the end before it reaps us
+            # would wait for the agent to close that pipe, and the agent for us to exit. Not a
+            # file either: on a full disk the agent's warnings are the ones that matter. Both
+            # ends non-blocking: an agent never waits on a reader that stopped reading (a line
+            # that does not fit is dropped).
+            read_end, write_end = os.pipe()
+            os.set_blocking(read_end, False)
+            os.set_blocking(write_end, False)
+            self._agent_out = read_end
             # Its own session: a Ctrl-C in the terminal or a SIGTERM to this job's process
             # group reaches only us; we then close it (restoring), or it sees us gone.
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "zeus_async.agent.server", msgspec.json.encode(cfg)],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=None,
-                start_new_session=True,
-            )
+            try:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "zeus_async.agent.server", msgspec.json.encode(cfg)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=write_end,
+                    start_new_session=True,
+                )
+            finally:
+                os.close(write_end)
         else:
             endpoint = attach
-            self._stderr = open(os.devnull, "w+b")  # noqa: SIM115
         #: The agent's endpoint.
         self.agent_endpoint = endpoint
         self._sock.connect(endpoint)
@@ -242,11 +264,11 @@ class SamplerProcess:
         self._estimate_cb = self._estimate
         self._host = socket.gethostname()
         # Attached: watch the agent, which is not our child (a pidfd becomes readable when it
-        # exits, and cannot name a later process that reuses the pid).
+        # exits, zombie or not, and cannot name a later process that reuses the pid).
         self._agent_pid = ready.agent_pid
         if attach is not None and ready.agent_pid:
-            with contextlib.suppress(AttributeError, OSError):  # not Linux ≥ 5.3: no pidfd
-                self._agent_fd = os.pidfd_open(ready.agent_pid)
+            self._agent_watch = ProcessWatch(ready.agent_pid)
+            self._agent_fd = self._agent_watch.fileno
         self._reader = threading.Thread(
             target=self._read_replies, name="zeus-async-sampler-io", daemon=True
         )
@@ -255,9 +277,8 @@ class SamplerProcess:
     # -- start-up -------------------------------------------------------------------------------
 
     def _child_error(self) -> str:
-        self._stderr.flush()
-        self._stderr.seek(0)
-        text = self._stderr.read().decode(errors="replace").strip()
+        self._relay_agent_log(final=True)
+        text = self._out_tail.decode(errors="replace").strip()
         code = self._proc.poll() if self._proc is not None else None
         return text[-2000:] or f"exit code {code}"
 
@@ -402,6 +423,7 @@ class SamplerProcess:
             except zmq.ZMQError:
                 return
             self.io_wakeups += 1
+            self._relay_agent_log()
             if self._wake_r in ready:
                 try:
                     os.read(self._wake_r, 4096)
@@ -411,10 +433,10 @@ class SamplerProcess:
                 self._drain_replies()
                 self._bye.set()  # nobody is left to answer a goodbye
                 if not self._stopped:
-                    self._recover_after_agent()  # first: a caller who sees the error sees it
+                    outcome = self._recover_after_agent()  # first: the error says how it went
                     self._fail_all(
                         f"the agent (pid {self._agent_pid}) exited: windows in flight are lost; "
-                        "the settings it held were restored from its journal (see docs/agent.md)"
+                        f"{outcome} (see docs/agent.md)"
                     )
                 return
             if ready and not self._stopped:
@@ -427,7 +449,9 @@ class SamplerProcess:
             if self._proc.poll() is not None:
                 self._drain_replies()  # its last replies (a stop finalizes every window)
                 if not self._stopped:
-                    self._fail_all(f"sampler process exited: {self._child_error()}")
+                    # Killed (SIGKILL, OOM): its journal is orphaned; put it back from here.
+                    outcome = self._recover_after_agent()
+                    self._fail_all(f"sampler process exited: {self._child_error()}; {outcome}")
                 else:
                     self._fail_all("the monitor was closed before this window was measured")
                 return
@@ -435,26 +459,48 @@ class SamplerProcess:
     def _agent_exited(self, ready: dict[Any, int]) -> bool:
         if self._agent_fd is not None:
             return self._agent_fd in ready
-        if not self._agent_pid:
-            return False
-        try:
-            os.kill(self._agent_pid, 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False  # alive, someone else's (EPERM)
-        return False
+        return self._agent_watch is not None and not self._agent_watch.alive()
 
-    @staticmethod
-    def _recover_after_agent() -> None:
-        # The dead agent's journal is orphaned now: restore it from here rather than wait for
-        # the next agent or runtime to start (whichever process gets the lock first does it).
-        from zeus_async.agent.leases import recover_orphans
+    def _relay_agent_log(self, *, final: bool = False) -> None:
+        """Pass what a private agent wrote to its stderr since the last call on to this
+        process's logger, whole lines only (``final``: the rest too). One ``read`` that finds
+        nothing when nothing is new."""
+        if self._agent_out is None:
+            return
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(self._agent_out, 65536)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        if not chunks and not (final and self._out_partial):
+            return
+        data = b"".join(chunks)
+        self._out_tail = (self._out_tail + data)[-4000:]
+        lines = (self._out_partial + data).split(b"\n")
+        self._out_partial = b"" if final else lines.pop()
+        for line in lines:
+            if line.strip():
+                logger.warning("%s", line.decode(errors="replace"))
+
+    def _recover_after_agent(self) -> str:
+        """Restore the dead agent's journal from here rather than wait for the next agent or
+        runtime to start (whichever process gets the lock first does it); what really became
+        of its settings, as a clause for the error message."""
+        from zeus_async.agent.leases import recover_after
 
         try:
-            recover_orphans()  # logs what it restores
-        except Exception:
+            return recover_after(self._agent_pid)  # logs what it restores and what it cannot
+        except Exception as exc:
             logger.exception("restoring the dead agent's settings failed")
+            return (
+                f"restoring the settings it held failed ({exc}); run `zeus-async agent --restore`"
+            )
 
     def _drain_replies(self) -> bool:
         """Handle every reply waiting on the socket (one wake-up for a burst of them).
@@ -525,6 +571,7 @@ class SamplerProcess:
         self._woken = False  # one more wake-up, even if stop's own is still unread:
         self._wake()  # the I/O thread sees that the agent is gone, and ends
         self._reader.join(timeout=5)
+        self._relay_agent_log(final=True)
         self._cleanup()
 
     def _kill(self) -> None:
@@ -535,13 +582,42 @@ class SamplerProcess:
     def _cleanup(self) -> None:
         self._sock.close(linger=0)
         self._ctx.term()
-        self._stderr.close()
+        if self._agent_out is not None:
+            os.close(self._agent_out)
+            self._agent_out = None
         self._woken = True  # no more wake-ups: the descriptors below may be reused
-        if self._agent_fd is not None:
-            os.close(self._agent_fd)
+        if self._agent_watch is not None:
+            self._agent_watch.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._proc is None or self._proc.poll() is not None:
+            for path in self._files:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+
+#: Names of a private agent's files in the private directory: ``a-<owner pid>-<id>.<kind>``.
+_PRIVATE_FILE = re.compile(r"a-(\d+)-[0-9a-f]+\.sock")
+
+
+def sweep_dead_owners(directory: Path) -> int:
+    """Remove the sockets of private agents whose owner has exited (zombie or not) without
+    closing them; how many files went."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        match = _PRIVATE_FILE.fullmatch(name)
+        if match is None or pid_alive(int(match[1])):
+            continue
+        with contextlib.suppress(OSError):
+            (directory / name).unlink()
+            removed += 1
+    if removed:
+        logger.debug("removed %d file(s) of private agents whose owner died", removed)
+    return removed
 
 
 def _default_name() -> str:
