@@ -65,7 +65,7 @@ def _wait(timeout_s: float = 15.0) -> tuple[bool, bool]:
         time.sleep(0.01)
 
 
-def _group(sig: int) -> Callable[[subprocess.Popen[str], int], None]:
+def _group(sig: int) -> Callable[[subprocess.Popen[str], int], float | None]:
     def stop(proc: subprocess.Popen[str], agent: int) -> None:
         os.killpg(proc.pid, sig)
 
@@ -122,8 +122,72 @@ def _stalled_pipe() -> Iterator[tuple[list[str], dict[str, str]]]:
             os.close(reader)
 
 
+def _fill(directory: str) -> None:
+    """Write zeros into ``directory`` until its file system has no block left."""
+    fd = os.open(os.path.join(directory, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
+    chunk = b"\0" * 65536
+    try:
+        while True:
+            try:
+                os.write(fd, chunk)
+            except OSError:
+                if len(chunk) == 1:
+                    return
+                chunk = chunk[: len(chunk) // 2]
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def _full_private_dir() -> Iterator[tuple[list[str], dict[str, str]]]:
+    # The private directory (journal, board, socket) a 4 MiB tmpfs that fills up once the
+    # job has changed its settings; the simulated driver's state on a tmpfs of its own (on a
+    # real node the driver keeps its settings in the GPU, not on this disk). Needs root.
+    with tempfile.TemporaryDirectory() as tmp:
+        private = os.path.join(tmp, "private")
+        sim = os.path.join(private, "sim")
+        os.mkdir(private, 0o700)
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", private], check=True
+        )
+        try:
+            os.mkdir(sim, 0o700)
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", sim], check=True
+            )
+            before = os.environ.get("ZEUS_ASYNC_DIR")
+            os.environ["ZEUS_ASYNC_DIR"] = private  # where _restored() reads the node
+            try:
+                yield [], {"ZEUS_ASYNC_DIR": private}
+            finally:
+                if before is None:
+                    del os.environ["ZEUS_ASYNC_DIR"]
+                else:
+                    os.environ["ZEUS_ASYNC_DIR"] = before
+                subprocess.run(["umount", "-l", sim], check=False)
+        finally:
+            subprocess.run(["umount", "-l", private], check=False)
+
+
+def _fill_then_ctrl_c(proc: subprocess.Popen[str], agent: int) -> float:
+    _fill(os.environ["ZEUS_ASYNC_DIR"])
+    time.sleep(1.0)  # windows go on being measured on the full disk
+    if proc.poll() is not None or not _alive(agent):
+        raise RuntimeError("the job or its agent died on the full disk")
+    os.killpg(proc.pid, signal.SIGINT)
+    return time.monotonic()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 Setup = Callable[[], "contextlib.AbstractContextManager[tuple[list[str], dict[str, str]]]"]
-KINDS: dict[str, tuple[Setup, float, Callable[[subprocess.Popen[str], int], None]]] = {
+KINDS: dict[str, tuple[Setup, float, Callable[[subprocess.Popen[str], int], float | None]]] = {
     "Ctrl-C to the process group": (_no_target, 0.0, _group(signal.SIGINT)),
     "SIGTERM to the process group": (_no_target, 0.0, _group(signal.SIGTERM)),
     "SIGKILL of the training process": (_no_target, 0.0, _kill_job),
@@ -135,6 +199,11 @@ KINDS: dict[str, tuple[Setup, float, Callable[[subprocess.Popen[str], int], None
     "SIGKILL of its agent (the job restores)": (_no_target, 0.0, _kill_agent),
     "SIGKILL of job and agent, then agent --restore": (_no_target, 0.0, _kill_all),
     "disk full under record= (then Ctrl-C)": (_disk_full, 0.5, _group(signal.SIGINT)),
+    "private directory fills up while running (then Ctrl-C)": (
+        _full_private_dir,
+        0.0,
+        _fill_then_ctrl_c,
+    ),
     "stalled record= target, a full pipe (then Ctrl-C)": (
         _stalled_pipe,
         2.0,
@@ -144,7 +213,7 @@ KINDS: dict[str, tuple[Setup, float, Callable[[subprocess.Popen[str], int], None
 
 
 def trial(
-    setup: Setup, wait_s: float, stop: Callable[[subprocess.Popen[str], int], None]
+    setup: Setup, wait_s: float, stop: Callable[[subprocess.Popen[str], int], float | None]
 ) -> tuple[bool, bool, float]:
     """One job stopped one way: (limits restored, clocks restored, seconds from the stop until
     both were, or until the 15 s wait gave up)."""
@@ -153,7 +222,7 @@ def trial(
         try:
             time.sleep(wait_s)
             t0 = time.monotonic()
-            stop(proc, agent_pid)
+            t0 = stop(proc, agent_pid) or t0  # a stop that waits first says when it stopped
             if stop is not _kill_job_unreaped and stop is not _kill_agent:
                 proc.wait(timeout=30)
             limits, clocks = _wait()
