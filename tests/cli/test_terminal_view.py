@@ -248,6 +248,24 @@ def test_monitor_follows_a_resized_and_short_terminal(tmp_path: Path) -> None:
 
 
 @needs_tmux
+def test_q_quits_the_live_view_and_gives_the_terminal_back(tmp_path: Path) -> None:
+    term = Terminal(tmp_path, 100, 30, _monitor(2))
+    try:
+        lines = term.wait_for("s, all GPUs")
+        assert any("q or Ctrl-C to stop" in line for line in lines), "\n".join(lines)
+        term.keys("q")
+        lines = term.wait_for("EXIT=")
+        assert "EXIT=0" in lines, "\n".join(lines)  # asked to quit: not an interruption
+        after = lines[lines.index("Totals") :]
+        assert sum(line.startswith("gpu:") for line in after) == 2
+        # The terminal is back in its usual mode: what is typed is echoed again.
+        term.keys("typed-after")
+        term.wait_for("typed-after")
+    finally:
+        term.close()
+
+
+@needs_tmux
 def test_long_operations_draw_a_progress_bar_on_a_terminal(tmp_path: Path) -> None:
     data = ROOT / "tests" / "data" / "sim_windows.zarc"
     py = f"{sys.executable} -m zeus_async"

@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 import subprocess
+import sys
 import time
 from typing import Any, TextIO
 
@@ -191,12 +192,13 @@ def live_view(
     width: int,
     height: int,
     title: str = "",
+    stop_keys: str = "Ctrl-C",
 ) -> RenderableType:
     """The terminal view at ``width`` x ``height``: a title line, the device table (its rows
     come first), the process table in the rows left, and a status line. Nothing wraps; rows
     that do not fit are counted in a ``… N more`` row."""
     status = Text(
-        f"{elapsed_s:.1f} s, all GPUs {_gpu_energy(totals):.1f} J. Ctrl-C to stop.",
+        f"{elapsed_s:.1f} s, all GPUs {_gpu_energy(totals):.1f} J. {stop_keys} to stop.",
         no_wrap=True,
         overflow="ellipsis",
     )
@@ -232,6 +234,38 @@ def demo_sim_config() -> Any:
 
 #: Longest wait for the first sample before ``monitor -- CMD`` lets the command run (seconds).
 _FIRST_SAMPLE_S = 5.0
+
+
+async def _quit_on_q(scope: anyio.CancelScope, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+    """End the view when ``q`` is typed, as in ``top`` or ``nvitop`` (the terminal in cbreak
+    mode meanwhile: keys one by one, no echo; Ctrl-C stays a signal; put back after)."""
+    import termios
+    import tty
+
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    tty.setcbreak(fd, termios.TCSANOW)
+    try:
+        task_status.started()
+        while True:
+            await anyio.wait_readable(fd)
+            keys = os.read(fd, 64)
+            if not keys:  # the terminal went away
+                return
+            if b"q" in keys.lower():
+                scope.cancel()
+                return
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def _keys_for_quit(out: TextIO) -> bool:
+    """``q`` quits when the view is drawn on a terminal that is also our input (a command
+    given to ``monitor -- CMD`` keeps the keyboard for itself)."""
+    try:
+        return sys.stdin.isatty() and _is_terminal(out) and os.name == "posix"
+    except (AttributeError, ValueError):
+        return False
 
 
 async def _watch_child(child: subprocess.Popen[bytes], exited: anyio.Event) -> None:
@@ -320,9 +354,13 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
                 held.release()
             exited = anyio.Event()
             view = LiveView(out) if tty and not args.quiet else None
+            stop_keys = "Ctrl-C"
             async with until_stopped(args.duration) as tg:
                 if child is not None:
                     tg.start_soon(_watch_child, child, exited)
+                elif view is not None and _keys_for_quit(out):
+                    await tg.start(_quit_on_q, tg.cancel_scope)
+                    stop_keys = "q or Ctrl-C"
                 started = time.monotonic()
                 if view is not None:
                     view.__enter__()
@@ -336,7 +374,12 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
                         if view is not None:
                             view.update(
                                 functools.partial(
-                                    live_view, totals, processes, elapsed, title=title
+                                    live_view,
+                                    totals,
+                                    processes,
+                                    elapsed,
+                                    title=title,
+                                    stop_keys=stop_keys,
                                 )
                             )
                         elif not args.quiet:
