@@ -34,6 +34,26 @@ Design:
   many frames and events were sequenced before it (so ``frames_published`` equals the
   heartbeat's own stream sequence number). On shutdown the pending batches are flushed and a
   final heartbeat with the ``FINAL`` header flag is sent.
+* Hostile subscribers: the socket task shares the event loop with the samplers, so its work
+  per turn is bounded: it handles at most :data:`SUBSCRIPTION_BATCH` subscription messages,
+  then sends what is due and yields (a flood of 300,000 subscriptions used to hold the loop,
+  and sampling, for over a second). ZeroMQ takes subscription messages off the connections
+  (and into its own table, about 190 bytes per distinct prefix) whenever the socket is used;
+  with a small receive high-water mark and ``recv()`` (not ``ZMQ_EVENTS``) per message, it
+  takes them roughly as fast as this task handles them, and a message longer than
+  :data:`MAX_SUBSCRIPTION_BYTES` drops its connection. ZeroMQ gives each message the file
+  descriptor of the connection it came on (``ZMQ_SRCFD``): per connection the publisher
+  counts its distinct prefixes, and a connection that would hold more than
+  ``max_topics_per_connection``, or push the total past ``max_topics`` (then the connection
+  holding the most goes), is disconnected (``shutdown`` of that descriptor, after checking it
+  is still that connection of this socket), which makes ZeroMQ forget its subscriptions. So
+  the memory held for subscriptions is bounded; counted in
+  :attr:`PublisherStats.connections_dropped` and ``subscriptions_refused``. A client that
+  reconnects and floods again is dropped again, and costs a bounded share of the loop.
+  Connections without a descriptor (``inproc://``: this process's own code) are not counted.
+  A descriptor closed and reused by another connection of this socket between ZeroMQ reading
+  a message and this task handling it would charge the message to the new connection: at
+  worst that one is dropped too (and reconnects).
 """
 
 from __future__ import annotations
@@ -41,6 +61,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import socket
+import stat
 import sys
 import time
 import uuid
@@ -75,6 +97,19 @@ _LOG_INTERVAL_S = 5.0
 FINAL_WAIT_S = 0.5
 FINAL_GAP_S = 0.05
 
+#: Subscription messages the socket task handles per turn of the event loop, at most, before
+#: it sends what is due and yields to the other tasks (the samplers).
+SUBSCRIPTION_BATCH = 256
+#: Receive high-water mark of the XPUB socket (subscription messages per connection queued
+#: inside ZeroMQ): small, so a flood stays in the flooder's buffers, not in this process.
+SUBSCRIPTION_RCVHWM = 16
+#: Longest subscription message accepted (``0x01`` + the prefix); ZeroMQ drops the connection
+#: of a longer one.
+MAX_SUBSCRIPTION_BYTES = 4096
+
+#: A connection: its file descriptor and the socket's inode (fds are reused, inodes are not).
+_Conn = tuple[int, int]
+
 
 @dataclass
 class PublisherStats:
@@ -95,6 +130,9 @@ class PublisherStats:
         frames_unsubscribed: Frames sequenced but not sent because no subscription matched
             their topic (not losses: no subscriber was there to receive them).
         events_unsubscribed: Events in those frames.
+        subscriptions_refused: Subscribe messages not taken into account: past a connection's
+            or the total cap of topic prefixes, or from a connection dropped for that.
+        connections_dropped: Connections disconnected for holding too many topic prefixes.
     """
 
     frames_sent: int = 0
@@ -108,6 +146,8 @@ class PublisherStats:
     foreign_stream_events: int = 0
     frames_unsubscribed: int = 0
     events_unsubscribed: int = 0
+    subscriptions_refused: int = 0
+    connections_dropped: int = 0
 
 
 class Publisher:
@@ -136,6 +176,10 @@ class Publisher:
             dropped (counted, and visible as gaps downstream). Open batches are bounded by
             ``max_batch_events`` each.
         linger_s: How long closing the socket may wait to deliver queued frames.
+        max_topics_per_connection: Distinct topic prefixes one connection may subscribe to;
+            one more disconnects it (ZeroMQ then forgets its subscriptions).
+        max_topics: Distinct prefixes of all connections together (summed per connection);
+            past it the connection holding the most is disconnected.
         context: ZeroMQ context to use; by default the publisher creates (and terminates) its
             own, which also hosts its CURVE authenticator.
         clock: Source of wall-clock stamps for StreamInfo and Heartbeat.
@@ -159,6 +203,8 @@ class Publisher:
         sndhwm: int = 10_000,
         max_pending_events: int = 100_000,
         linger_s: float = 0.25,
+        max_topics_per_connection: int = 4096,
+        max_topics: int = 65536,
         context: zmq.Context[Any] | None = None,
         clock: Clock | None = None,
     ) -> None:
@@ -176,6 +222,8 @@ class Publisher:
             raise ConfigError("max_pending_events must be >= max_batch_events")
         if linger_s < 0:
             raise ConfigError("linger_s must be >= 0")
+        if max_topics_per_connection < 1 or max_topics < 1:
+            raise ConfigError("max_topics_per_connection and max_topics must be >= 1")
         self._endpoint = endpoint if endpoint is not None else default_endpoint()
         is_local_endpoint(self._endpoint)  # a malformed endpoint fails here, not in run()
         self._host = host
@@ -204,6 +252,8 @@ class Publisher:
         self._sndhwm = sndhwm
         self._max_pending = max_pending_events
         self._linger_ms = round(linger_s * 1000)
+        self._max_conn_topics = max_topics_per_connection
+        self._max_topics = max_topics
         self._context = context
         self.stats = PublisherStats()
 
@@ -219,6 +269,13 @@ class Publisher:
         # Topic prefixes subscribed to now, and per topic whether one of them matches it.
         self._subscribed: set[bytes] = set()
         self._wanted: dict[str, bool] = {}
+        # Per connection its distinct prefixes, their total, connections dropped (until their
+        # descriptor is closed), and what is left of this turn's subscription budget.
+        self._conns: dict[_Conn, set[bytes]] = {}
+        self._conn_topics = 0
+        self._dropped: set[_Conn] = set()
+        self._budget = SUBSCRIPTION_BATCH
+        self._last_refuse_log = -math.inf
         self._wake_pending = False
         self._wait_scope: anyio.CancelScope | None = None
         self._started = False
@@ -418,6 +475,8 @@ class Publisher:
             sock.setsockopt(zmq.LINGER, self._linger_ms)
             sock.setsockopt(zmq.SNDHWM, self._sndhwm)
             sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+            sock.setsockopt(zmq.RCVHWM, SUBSCRIPTION_RCVHWM)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
             if self._curve is not None:
                 auth = start_authenticator(ctx, self._curve)
                 apply_server_keys(sock, self._curve)
@@ -449,15 +508,18 @@ class Publisher:
         next_heartbeat = time.monotonic() + self._heartbeat_s
         while True:
             self._wake_pending = False
+            self._budget = SUBSCRIPTION_BATCH
             now = time.monotonic()
             self._service(sock, now)
             if now >= next_heartbeat:
                 self._send_heartbeat(sock)
+                self._forget_closed()
                 next_heartbeat = now + self._heartbeat_s
-            # The last socket call of _service read ZMQ_EVENTS without POLLIN, so the edge-
-            # triggered ZMQ_FD will signal the next subscription message.
-            self._drain_subscriptions(sock)
-            if self._wake_pending or self._ready or self._info_due:
+            # Unless the turn's budget ran out (subscriptions still queued: come back after the
+            # other tasks had a turn), the last socket call read ZMQ_EVENTS without POLLIN, so
+            # the edge-triggered ZMQ_FD will signal the next subscription message.
+            more = self._drain_subscriptions(sock)
+            if more or self._wake_pending or self._ready or self._info_due:
                 await anyio.lowlevel.checkpoint()
                 continue
             due = next_heartbeat
@@ -490,47 +552,172 @@ class Publisher:
                     del open_t[topic]
                     self._send(sock, topic, events)
 
-    def _drain_subscriptions(self, sock: zmq.Socket[Any]) -> None:
-        """Read every queued (un)subscription; send StreamInfo if a new one covers it.
+    def _drain_subscriptions(self, sock: zmq.Socket[Any]) -> bool:
+        """Read queued (un)subscriptions, within the turn's budget; send StreamInfo if a new one
+        covers it.
 
-        Returns after reading ``ZMQ_EVENTS`` without ``POLLIN``, so the edge-triggered
-        ``ZMQ_FD`` will signal the next subscription message.
+        Returns ``True`` when the budget ran out with messages still queued (the caller must
+        yield and call again, not wait on ``ZMQ_FD``); otherwise returns after reading
+        ``ZMQ_EVENTS`` without ``POLLIN``, so the edge-triggered ``ZMQ_FD`` will signal the
+        next subscription message.
         """
-        stream_topic = self._stream_topic_b
         while True:
-            while poll_in(sock):
+            # recv() until EAGAIN, not poll_in() before each: reading ZMQ_EVENTS makes ZeroMQ
+            # take more messages off the connections every time, recv() every 100 messages.
+            while True:
+                if self._budget <= 0:
+                    self._send_info_if_due(sock)  # a flood must not hold back the handshake
+                    return True
                 try:
-                    msg = sock.recv(zmq.NOBLOCK)
+                    frame = sock.recv(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
-                    continue
+                    if poll_in(sock):  # arrived meanwhile
+                        continue
+                    break
                 except zmq.ZMQError as exc:  # pragma: no cover - defensive
                     logger.warning("publisher %s: recv failed: %s", self._stream_id, exc)
-                    return
-                if msg[:1] == b"\x01":
-                    self.stats.subscriptions += 1
-                    self._subscribed.add(bytes(msg[1:]))
-                    self._wanted.clear()
-                    if stream_topic.startswith(msg[1:]):
-                        self._info_due = True
-                elif msg[:1] == b"\x00":
-                    self.stats.unsubscriptions += 1
-                    self._subscribed.discard(bytes(msg[1:]))
-                    self._wanted.clear()
-            if not self._info_due:
-                return
-            self._info_due = False
-            self._send(sock, self._stream_topic, [self._stream_info])
-            self.stats.stream_infos_sent += 1
+                    return False
+                self._budget -= 1
+                self._on_subscription(frame)
+            if not self._send_info_if_due(sock):
+                return False
             # The send may have consumed the FD edge of a newly arrived subscription: look again.
 
+    def _send_info_if_due(self, sock: zmq.Socket[Any]) -> bool:
+        if not self._info_due:
+            return False
+        self._info_due = False
+        self._send(sock, self._stream_topic, [self._stream_info])
+        self.stats.stream_infos_sent += 1
+        return True
+
+    def _on_subscription(self, frame: zmq.Frame) -> None:
+        msg = frame.bytes
+        if msg[:1] == b"\x01":
+            self.stats.subscriptions += 1
+            prefix = msg[1:]
+            if not self._admit(frame, prefix):
+                self.stats.subscriptions_refused += 1
+                return
+            if prefix not in self._subscribed:
+                self._subscribed.add(prefix)
+                self._wanted.clear()
+            if self._stream_topic_b.startswith(prefix):
+                self._info_due = True
+        elif msg[:1] == b"\x00":
+            self.stats.unsubscriptions += 1
+            prefix = msg[1:]
+            conn = self._conn_of(frame)
+            topics = self._conns.get(conn) if isinstance(conn, tuple) else None
+            if topics is not None and prefix in topics:
+                topics.discard(prefix)
+                self._conn_topics -= 1
+            # ZeroMQ reports an unsubscribe once the last subscriber of the prefix left.
+            if prefix in self._subscribed:
+                self._subscribed.discard(prefix)
+                self._wanted.clear()
+
+    def _conn_of(self, frame: zmq.Frame) -> _Conn | bool | None:
+        """The connection ``frame`` came on; ``None`` when ZeroMQ gave no descriptor
+        (``inproc://``, or an unsubscribe of a connection that closed); ``False`` when the
+        descriptor is no longer a socket (the connection closed since)."""
+        try:
+            fd = frame.get(zmq.SRCFD)
+        except zmq.ZMQError:
+            return None
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            return False
+        return (fd, st.st_ino) if stat.S_ISSOCK(st.st_mode) else False
+
+    def _admit(self, frame: zmq.Frame, prefix: bytes) -> bool:
+        """Count ``prefix`` against its connection and the total; ``False`` if refused (the
+        connection was, or is now, dropped)."""
+        conn = self._conn_of(frame)
+        if conn is None:
+            return True  # this process's own sockets
+        if conn is False or conn in self._dropped:
+            return False
+        assert isinstance(conn, tuple)
+        topics = self._conns.setdefault(conn, set())
+        if prefix in topics:
+            return True
+        if len(topics) >= self._max_conn_topics:
+            self._drop_conn(conn, f"more than {self._max_conn_topics} topic prefixes")
+            return False
+        if self._conn_topics >= self._max_topics:
+            self._forget_closed()
+        if self._conn_topics >= self._max_topics:
+            top = max(self._conns, key=lambda c: len(self._conns[c]))
+            self._drop_conn(top, f"the most of {self._max_topics} topic prefixes in total")
+            if top == conn:
+                return False
+        topics = self._conns.setdefault(conn, topics)
+        topics.add(prefix)
+        self._conn_topics += 1
+        return True
+
+    def _drop_conn(self, conn: _Conn, why: str) -> None:
+        """Disconnect ``conn`` (ZeroMQ then forgets its subscriptions) and stop counting it."""
+        self._conn_topics -= len(self._conns.pop(conn, ()))
+        self._dropped.add(conn)
+        fd, inode = conn
+        try:
+            if os.fstat(fd).st_ino != inode:
+                return  # closed meanwhile: ZeroMQ has already forgotten it
+            with socket.socket(fileno=os.dup(fd)) as peer:
+                if not self._is_our_end(peer.getsockname()):  # pragma: no cover - defensive
+                    return
+                peer.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return
+        self.stats.connections_dropped += 1
+        now = time.monotonic()
+        if now - self._last_refuse_log >= _LOG_INTERVAL_S:
+            self._last_refuse_log = now
+            logger.warning(
+                "publisher %s dropped a subscriber connection: %s (%d dropped so far)",
+                self._stream_id,
+                why,
+                self.stats.connections_dropped,
+            )
+
+    def _is_our_end(self, name: Any) -> bool:
+        """Whether ``name`` (a connection's local address) is this publisher's endpoint."""
+        scheme, _, where = self._endpoint.partition("://")
+        if scheme == "tcp" and isinstance(name, tuple):
+            return str(name[1]) == where.rpartition(":")[2]
+        if scheme == "ipc":
+            if isinstance(name, bytes):  # an abstract socket: b"\0name" for "ipc://@name"
+                return name == b"\0" + where[1:].encode()
+            return bool(name == where)
+        return False  # pragma: no cover - only tcp and ipc connections carry a descriptor
+
+    def _forget_closed(self) -> None:
+        """Stop counting connections whose descriptor was closed (or now is another socket)."""
+
+        def open_(conn: _Conn) -> bool:
+            try:
+                return os.fstat(conn[0]).st_ino == conn[1]
+            except OSError:
+                return False
+
+        for conn in [c for c in self._conns if not open_(c)]:
+            self._conn_topics -= len(self._conns.pop(conn))
+        self._dropped = {c for c in self._dropped if open_(c)}
+
     def _is_wanted(self, topic: str) -> bool:
-        """Whether a current subscription matches ``topic``."""
+        """Whether a current subscription matches ``topic`` (one of its prefixes is one)."""
         wanted = self._wanted.get(topic)
         if wanted is None:
             if len(self._wanted) > 4096:
                 self._wanted.clear()
             topic_b = topic.encode()
-            wanted = self._wanted[topic] = any(map(topic_b.startswith, self._subscribed))
+            subscribed = self._subscribed
+            wanted = self._wanted[topic] = any(
+                topic_b[:i] in subscribed for i in range(len(topic_b) + 1)
+            )
         return wanted
 
     def _send(self, sock: zmq.Socket[Any], topic: str, events: list[Event], flags: int = 0) -> None:
