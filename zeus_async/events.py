@@ -140,8 +140,11 @@ class ProcessSample(msgspec.Struct, tag="proc", **_OPTS):
         gpu_power_share_frac: The pid's share of the GPU's power: its SM utilization over the
             SM utilization of every process on the GPU (tracked or not); on an idle GPU, its
             memory over all processes' memory.
-        attributed_power_w, attributed_energy_j: GPU power over the period *
-            ``gpu_power_share_frac``, and its running total since the pair was first sampled.
+        attributed_power_w: The GPU's reported power averaged over the period *
+            ``gpu_power_share_frac`` (never above the GPU's own power).
+        attributed_energy_j: Running total, since the pair was first sampled, of
+            ``gpu_power_share_frac`` * the GPU energy counter's increase (the pids on a GPU add
+            up to its energy).
     """
 
     host: str

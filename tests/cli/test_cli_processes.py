@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -48,6 +49,31 @@ def test_monitor_runs_a_command_tracks_it_and_returns_its_exit_code(tmp_path: ob
     samples = [e for e in RecordingReader(path) if isinstance(e, ProcessSample)]
     busy = [s.cpu_frac for s in samples if s.gpu is None and s.cpu_frac is not None]
     assert busy and max(busy) > 0.2  # the command burns CPU (of 2 cores here: up to 0.5)
+
+
+def test_process_table_shows_cpu_as_top_does_percent_of_one_core(tmp_path: object) -> None:
+    """Issue 34: "CPU %" was the share of the whole machine (a process keeping one of 64 cores
+    busy read 1.6), under a label read as top's per-core %CPU."""
+    path = f"{tmp_path}/run.zarc"
+    proc = run_cli(
+        "monitor", "--backend", "sim", "--cpus", "none", "--quiet", "--process-period", "0.25",
+        "--record", path, "--", sys.executable, "-c", BURN,
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    table = proc.stdout.split("Totals")[1].split("\n\n", 1)[1].splitlines()
+    assert table[0].split()[:4] == ["process", "%CPU", "(core)", "PSS"]
+    rows = {line.split()[1]: line.split()[2] for line in table[2:] if line.startswith("pid ")}
+    samples = [e for e in RecordingReader(path) if isinstance(e, ProcessSample)]
+    host_side = [s for s in samples if s.gpu is None and s.cpu_frac is not None]
+    cores = os.cpu_count() or 1
+    burner = max(host_side, key=lambda s: s.cpu_frac or 0.0).pid
+    # the table's figure is one of the samples' (the latest), per core: cpu_frac * cores * 100
+    shown = float(rows[str(burner)])
+    per_core = [s.cpu_frac * cores * 100 for s in host_side if s.pid == burner and s.cpu_frac]
+    assert any(f"{shown:.1f}" == f"{v:.1f}" for v in per_core), (shown, per_core)
+    # a busy single-threaded loop: never more than one core (plus the rounding of CPU time to
+    # clock ticks; how much of it the loop gets depends on the machine's load)
+    assert 0.0 < max(per_core) <= 110.0
 
 
 def test_monitor_samples_before_the_command_starts(tmp_path: object) -> None:

@@ -73,6 +73,23 @@ def test_bad_input_is_one_line(args: list[str], message: str, recordings: Path) 
     assert "Traceback" not in proc.stderr
 
 
+def test_inspect_refuses_an_unknown_format_version_in_one_line(
+    recordings: Path, tmp_path: Path
+) -> None:
+    """Issue 34: format version 2306 (with valid frames after the header) was read as "v2"."""
+    data = bytearray((recordings / "sim_windows.zarc").read_bytes())
+    data[4:6] = (2306).to_bytes(2, "big")
+    path = tmp_path / "v2306.zarc"
+    path.write_bytes(bytes(data))
+    proc = run_cli("inspect", str(path))
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    assert proc.stderr == (
+        "zeus-async inspect: recording format version 2306 is not supported "
+        "(this build reads [1, 2])\n"
+    )
+
+
 def test_replay_measures_the_windows_again(recordings: Path, tmp_path: Path) -> None:
     again = tmp_path / "again.zarc"
     proc = run_cli(

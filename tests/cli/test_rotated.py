@@ -93,3 +93,37 @@ def test_commands_read_every_part(rotated: tuple[Path, list[Event]], tmp_path: P
     proc = run_cli("replay", str(path), "--speed", "max")
     assert proc.returncode == 0, proc.stderr
     assert f"replayed {n} events" in proc.stdout
+
+
+def test_a_part_read_alone_says_which_part_of_which_recording_it_is(
+    rotated: tuple[Path, list[Event]], tmp_path: Path
+) -> None:
+    """Issue 34: `inspect run.3.zarc` said "complete" with no hint that it was part 4 of 7."""
+    path, _ = rotated
+    parts = recording_parts(path)
+    n = len(parts)
+    third = parts[2]
+    assert third.name == "run.2.zarc"
+    whole = f"part 3 of {n} of run.zarc (read run.zarc for the whole recording)"
+    proc = run_cli("inspect", str(third))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[1] == f"part        3 of {n} of run.zarc (read run.zarc for the whole recording)"
+    assert any(line.endswith("(this part complete)") for line in lines), proc.stdout
+    assert f"This file is {whole}" in str(Recording(third)).splitlines()
+    # the first file, and a recording never rotated, are not parts of anything
+    assert RecordingReader(path).part_of is None and Recording(path).part_of is None
+    proc = run_cli("inspect", str(path))
+    assert "part   " not in proc.stdout and "(complete)" in proc.stdout
+    # a part before it missing, the first file missing, a part renamed
+    parts[1].rename(tmp_path / "aside.zarc")
+    assert (
+        str(RecordingReader(third).part_of)
+        == "part 3 of run.zarc, whose part 2 (run.1.zarc) is missing"
+    )
+    path.rename(tmp_path / "first.zarc")
+    assert str(RecordingReader(third).part_of) == "part 3 of run.zarc, which is missing"
+    third.rename(tmp_path / "renamed.zarc")
+    assert str(RecordingReader(tmp_path / "renamed.zarc").part_of) == (
+        "part 3 of a rotated recording (renamed: its other parts are not found)"
+    )

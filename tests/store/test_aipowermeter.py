@@ -156,15 +156,75 @@ def test_total_cpu_power_falls_back_to_package(tmp_path: Path) -> None:
 def test_nvidia_draw_absolute_is_an_all_gpu_series(rec: Recording) -> None:
     series = rec.series("nvidia_draw_absolute")
     gpu0, gpu1 = rec.series("gpu.power_w", "gpu:0"), rec.series("gpu.power_w", "gpu:1")
-    # one value per instant either GPU was read; each GPU interpolated there
-    assert len(series) == len(gpu0) + len(gpu1)
+    # one value per instant either GPU was read while both have readings (gpu:1 starts 1 ns
+    # after gpu:0 and ends 1 ns after it): each GPU interpolated there
+    assert series.t_ns.tolist() == sorted(
+        [T0 + k * S for k in range(1, 11)] + [T0 + k * S + 1 for k in range(10)]
+    )
     at = {t: v for t, v in zip(series.t_ns.tolist(), series.values.tolist(), strict=True)}
     for k in range(1, 11):
         t = T0 + k * S
         assert at[t] == pytest.approx(gpu0.values[k] + gpu1.values[k - 1] + (1.0 - 1e-9) * 1.0)
-    assert series.values[0] == 100.0  # at T0 only gpu:0 has started
+    assert at[T0 + 1] == pytest.approx(100.0 + 1e-9 + 200.0)  # both GPUs, never one alone
+    # energy: each GPU over its own samples, so a little more than the series' integral
     assert rec.total("nvidia_draw_absolute") == pytest.approx(rec.total("gpu.power_w"))
     assert rec.total("per_gpu_power_draw", "gpu:1") == pytest.approx(10 * 205.0)
+
+
+def _staggered(n_gpus: int, offset_ns: int) -> list[Event]:
+    """Four 100 W GPUs (and two 30 W RAPL packages) read once a second, each at its own offset:
+    GPU g (package p) first at T0 + g * offset, last 10 s later."""
+    out: list[Event] = []
+    for k in range(11):
+        for g in range(n_gpus):
+            out.append(GpuSample(H, T0 + k * S + g * offset_ns, g, power_w=100.0))
+        for p in range(2):
+            t = T0 + k * S + p * offset_ns + 1
+            out.append(RaplSample(H, t, p, "package", 30.0 * k, 30.0))
+    return out
+
+
+def test_all_gpu_series_has_points_only_where_every_gpu_has_a_reading(tmp_path: Path) -> None:
+    """Issue 34: the all-GPU power dropped GPUs at the edges of a recording (1382.6, 998.7,
+    456.1, 385.4 W over its last four points): a GPU before its first or after its last sample
+    is unknown, not 0 W."""
+    path = tmp_path / "staggered.zarc"
+    write_recording(path, sorted(_staggered(4, S // 4), key=lambda e: e.t_ns))
+    rec = Recording(path)
+    draw = rec.series("nvidia_draw_absolute")
+    assert set(draw.values.tolist()) == {400.0}  # four GPUs at 100 W at every point
+    assert draw.t_ns[0] == T0 + 3 * S // 4 and draw.t_ns[-1] == T0 + 10 * S  # common span
+    # every other all-device series: the RAPL packages, each read at its own offset
+    cpu = rec.series("total_cpu_power")
+    assert set(cpu.values.tolist()) == {60.0}
+    assert cpu.t_ns[0] == T0 + S // 4 + 1 and cpu.t_ns[-1] == T0 + 10 * S + 1
+    assert set(rec.series("intel_power").values.tolist()) == {60.0}
+    # no instant in common: refused, not a partial sum
+    path = tmp_path / "disjoint.zarc"
+    write_recording(path, [GpuSample(H, T0, 0, power_w=1.0), GpuSample(H, T0 + S, 0, power_w=1.0),
+                           GpuSample(H, T0 + 2 * S, 1, power_w=1.0)])  # fmt: skip
+    with pytest.raises(ConfigError, match="no instant where every one has a reading"):
+        Recording(path).series("nvidia_draw_absolute")
+
+
+def test_process_series_count_a_process_0_outside_its_samples_within_its_hosts_tracking(
+    tmp_path: Path,
+) -> None:
+    """A process that has exited draws nothing; a host whose tracking has not started yet is
+    unknown: node2's sampler starts 3 s after node1's."""
+    events: list[Event] = []
+    for k in range(11):
+        t = T0 + k * S
+        if k <= 5:  # pid 7 on node1 exits after 5 s
+            events.append(ProcessSample("node1", t, 7, gpu=0, attributed_power_w=30.0))
+        events.append(ProcessSample("node1", t, 8, gpu=0, attributed_power_w=50.0))
+        if k >= 3:
+            events.append(ProcessSample("node2", t, 9, gpu=0, attributed_power_w=20.0))
+    path = tmp_path / "hosts.zarc"
+    write_recording(path, events)
+    series = Recording(path).series("nvidia_attributable_power")
+    assert series.t_ns.tolist() == [T0 + k * S for k in range(3, 11)]
+    assert series.values.tolist() == [100.0] * 3 + [70.0] * 5
 
 
 def test_per_gpu_names_sum_the_processes_on_each_gpu(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ from zeus_async.store import (
     RecordingReader,
     write_recording,
 )
+from zeus_async.store.analysis import Recording
 from zeus_async.store.format import (
     FORMAT_VERSION,
     FRAME_PREFIX_SIZE,
@@ -513,6 +514,26 @@ def test_bad_magic_and_versions(tmp_path: Path) -> None:
         RecordingReader(path)
     with pytest.raises(OSError):
         RecordingReader(tmp_path / "missing.zarc")
+
+
+@pytest.mark.parametrize(("fmt", "schema"), [(2306, SCHEMA_VERSION), (2, SCHEMA_VERSION + 1)])
+def test_an_unknown_version_is_refused_even_with_frames_after_it(
+    tmp_path: Path, fmt: int, schema: int
+) -> None:
+    """Issue 34: a file whose format version field was 2306 read as "format v2" (the unknown
+    version was taken for a damaged header and the frames read as version-2 frames)."""
+    path = tmp_path / "r.zarc"
+    frames = encode_frame(one_of_each()[1:4], codec=PayloadCodec("zstd"))
+    path.write_bytes(
+        encode_header(msgspec.structs.replace(HEADER, compression="zstd"),
+                      format_version=fmt, schema_version=schema) + frames
+    )  # fmt: skip
+    what = "format" if fmt != FORMAT_VERSION else "schema"
+    version = fmt if what == "format" else schema
+    with pytest.raises(SchemaVersionError, match=f"^recording {what} version {version} is not "):
+        RecordingReader(path)
+    with pytest.raises(SchemaVersionError):
+        Recording(path)
 
 
 # -- random access -----------------------------------------------------------------------------

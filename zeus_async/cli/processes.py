@@ -182,9 +182,26 @@ def start_command(command: Sequence[str]) -> HeldCommand:
 
 
 class ProcessTable:
-    """Latest per-process figures from :class:`~zeus_async.events.ProcessSample` events."""
+    """Latest per-process figures from :class:`~zeus_async.events.ProcessSample` events.
 
-    def __init__(self) -> None:
+    CPU use is shown as ``top`` shows it, ``%CPU``: percent of *one* core, so a process keeping
+    one core busy reads 100 and one keeping four busy 400. The samples carry it as a share of
+    the whole machine (``cpu_frac``: CPU time / (wall time * logical CPUs)), which on a 64-core
+    machine makes a busy single-threaded process read 1.6 %; the table multiplies it back by
+    the logical CPUs of the machine sampled (``cpu_count``: this one, where ``monitor`` runs
+    the sampler).
+
+    Args:
+        cpu_count: Logical CPUs of the machine the samples come from (default: this one's, as
+            the process sampler counts them).
+    """
+
+    def __init__(self, cpu_count: int | None = None) -> None:
+        if cpu_count is None:
+            import psutil
+
+            cpu_count = psutil.cpu_count() or 1
+        self.cpu_count = cpu_count
         self.host_side: dict[int, ProcessSample] = {}
         self.on_gpu: dict[tuple[int, int], ProcessSample] = {}
 
@@ -197,14 +214,18 @@ class ProcessTable:
             self.on_gpu[(event.pid, event.gpu)] = event
 
     def rows(self) -> list[list[str]]:
-        """One row per process (:data:`PROCESS_COLUMNS`): pid, CPU %, PSS, CPU and DRAM W, GPU
-        SM %, GPU W (attributed), energy so far."""
+        """One row per process (:data:`PROCESS_COLUMNS`): pid, %CPU (of one core), PSS, CPU
+        and DRAM W, GPU SM %, GPU W (attributed), energy so far."""
         pids = sorted(set(self.host_side) | {pid for pid, _ in self.on_gpu})
         rows = []
         for pid in pids:
             host = self.host_side.get(pid)
             gpus = [s for (p, _), s in self.on_gpu.items() if p == pid]
-            cpu = None if host is None or host.cpu_frac is None else host.cpu_frac * 100
+            cpu = (
+                None
+                if host is None or host.cpu_frac is None
+                else host.cpu_frac * self.cpu_count * 100
+            )
             pss = None if host is None else (host.memory_pss_bytes or host.memory_rss_bytes)
             sm = sum(s.gpu_sm_frac or 0.0 for s in gpus) * 100 if gpus else None
             gpu_w = (
@@ -233,9 +254,10 @@ class ProcessTable:
 
 
 #: The process table's columns (the first and the last stay in the narrowest terminal).
+#: ``%CPU (core)``: as ``top``'s ``%CPU``, percent of one core (100 = one core busy).
 PROCESS_COLUMNS = (
     Column("process", left=True),
-    Column("CPU %", keep=4),
+    Column("%CPU (core)", keep=4),
     Column("PSS MiB", keep=2),
     Column("CPU W", keep=3),
     Column("DRAM W", keep=1),

@@ -216,6 +216,8 @@ async def _inspect(args: argparse.Namespace, out: TextIO) -> int:
     parts = reader.parts
     if len(parts) > 1:
         w(f"parts       {len(parts)}, read in order: {', '.join(p.name for p in parts)}\n")
+    if reader.part_of is not None:
+        w(f"part        {str(reader.part_of).removeprefix('part ')}\n")
     w(f"format      v{reader.format_version}, schema v{reader.schema_version}, ")
     w(f"compression {h.compression}\n")
     first = " (the first stream's)" if len(rec.hosts) > 1 else ""
@@ -234,6 +236,8 @@ async def _inspect(args: argparse.Namespace, out: TextIO) -> int:
         w(f"device      {name}: {d.name} ({d.arch}, {counter}{limits})\n")
     report = rec.report
     state = "complete" if report.clean else "DAMAGED"
+    if reader.part_of is not None:
+        state = f"this part {state}"
     w(f"frames      {report.frames_ok}, events {report.events_ok} ({state})\n")
     if report.header_damage:
         w(f"header      {report.header_damage} (host, devices and metadata unknown)\n")

@@ -14,10 +14,26 @@ Attribution (the arithmetic lives in :class:`ProcessAttributor`, a pure function
   packages), and its CPU energy the share * the package energy of the period.
 * **DRAM**: PSS (RSS when PSS is unknown) over the memory in use, * the RAPL ``dram`` power.
 * **GPU**: a pid's share of a GPU's power is its SM utilization over the SM utilization of
-  *every* process on that GPU (tracked or not); when no process ran a kernel in the period,
-  the idle power is split by device memory held (equally when the driver does not report
-  memory). Attributed power is the share * the GPU's power over the period, from the energy
-  counter (or integrated power samples where a GPU has no counter).
+  *every* process on that GPU (tracked or not). On a busy GPU (some process ran a kernel in
+  the period) the whole power, idle floor included, goes to the processes that used the SMs:
+  the floor is what keeping the GPU up for their work costs, and a process at 0 % SM gets 0 W
+  however much memory it holds. When no process ran a kernel in the period, the (idle) power
+  is split by device memory held, or equally when the driver does not report the memory of
+  every process. Either way the shares of the processes on a GPU add up to at most 1 in every
+  period (exactly 1 when every process on it is tracked).
+* **GPU power and energy**: ``attributed_power_w`` is the share * the GPU's *reported* power
+  over the period: its power samples (``gpu.power_w``), each held until the next, averaged over
+  the period. It is the figure the GPU's own power is shown with, so a process's power, and the
+  sum over the processes on a GPU, never exceed what that GPU is seen drawing. (The energy
+  counter's increase over the time between two reads cannot be used for it: the counter
+  refreshes on its own cadence, 100 ms on H100s, while the reads are stamped when made, so a
+  period of 50 ms, or the sparse reads of adaptive sampling, put up to several refreshes' worth
+  of energy over a short read-to-read time: an idle 69 W GPU came out at 316 W.)
+  ``attributed_energy_j`` adds the share * the energy counter's increase over the period (or
+  the integrated power samples where a GPU has no counter), so the energies of all processes
+  on a GPU add up to its counter energy. Where a GPU reports no power samples, the power is
+  the counter's increase over the time between the reads that first saw each of its values
+  (the times it refreshed, to a tick).
 
 Device power comes from the runtime's own samples (a hub sink keeps each device's running
 energy), so attribution costs no extra device reads and uses the same figures as windows.
@@ -51,6 +67,7 @@ from ..events import Event, GpuSample, ProcessSample, RaplSample
 from .hub import Hub
 
 __all__ = [
+    "POWER_HOLD_NS",
     "EnergyMeter",
     "ProcessAttributor",
     "ProcessSampler",
@@ -99,7 +116,8 @@ class ProcessTracking(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"pids must be positive integers, got {bad}")
 
 
-# Energy-meter keys: ("gpu", index), ("package", package), ("dram", package).
+# Energy-meter keys: ("gpu", index), ("gpu_power", index), ("gpu_watts", index),
+# ("package", package), ("dram", package).
 MeterKey = tuple[str, int]
 EnergyReading = tuple[int, float]  # (t_ns of the latest sample, running energy in J)
 
@@ -107,9 +125,14 @@ EnergyReading = tuple[int, float]  # (t_ns of the latest sample, running energy 
 class EnergyMeter:
     """A hub sink keeping each device's running energy, for attribution.
 
-    GPUs: the energy counter when the sample has one, else power samples integrated (each
-    sample's power held until the next). RAPL: the ``package`` and ``dram`` domains' unwrapped
-    energy. :meth:`snapshot` is called on the event-loop thread, like :meth:`add`.
+    GPUs, ``("gpu", index)``: the energy counter when the samples have one, stamped with the
+    time of the sample that first showed each value (the counter refreshes on its own cadence:
+    a later read of the same value says nothing new about when that energy was spent); else
+    the power samples integrated. ``("gpu_power", index)``: the power samples integrated, each
+    sample's power held until the next (the GPU's reported power, for attributed power);
+    ``("gpu_watts", index)``: the latest power sample, ``(t_ns, W)``. RAPL:
+    the ``package`` and ``dram`` domains' unwrapped energy. :meth:`snapshot` is called on the
+    event-loop thread, like :meth:`add`.
     """
 
     __slots__ = ("_counted", "_gpu_power", "_readings")
@@ -121,23 +144,31 @@ class EnergyMeter:
 
     def add(self, event: Event) -> None:
         if isinstance(event, GpuSample):
+            gpu = event.gpu
+            if event.power_w is not None:
+                self._integrate(gpu, event.t_ns, event.power_w)
             if event.energy_j is not None:
-                self._readings[("gpu", event.gpu)] = (event.t_ns, event.energy_j)
-                self._counted.add(event.gpu)
-            elif event.power_w is not None and event.gpu not in self._counted:
-                self._integrate(event.gpu, event.t_ns, event.power_w)
+                key = ("gpu", gpu)
+                last = self._readings.get(key)
+                if gpu not in self._counted or last is None or event.energy_j != last[1]:
+                    self._readings[key] = (event.t_ns, event.energy_j)
+                self._counted.add(gpu)
+            elif gpu not in self._counted and ("gpu_power", gpu) in self._readings:
+                self._readings[("gpu", gpu)] = self._readings[("gpu_power", gpu)]
         elif isinstance(event, RaplSample) and event.domain in ("package", "dram"):
             self._readings[(event.domain, event.package)] = (event.t_ns, event.energy_j)
 
     def _integrate(self, gpu: int, t_ns: int, power_w: float) -> None:
-        key = ("gpu", gpu)
+        key = ("gpu_power", gpu)
         previous = self._gpu_power.get(gpu)
+        if previous is not None and t_ns <= previous[0]:
+            return  # a duplicate or late sample: the integral has moved past it
         reading = self._readings.get(key)
         energy = reading[1] if reading is not None else 0.0
-        if previous is not None and t_ns > previous[0]:
+        if previous is not None:
             energy += previous[1] * (t_ns - previous[0]) / 1e9
         self._readings[key] = (t_ns, energy)
-        self._gpu_power[gpu] = (t_ns, power_w)
+        self._readings[("gpu_watts", gpu)] = self._gpu_power[gpu] = (t_ns, power_w)
 
     def snapshot(self) -> dict[MeterKey, EnergyReading]:
         """Every device's latest ``(t_ns, energy_j)``."""
@@ -159,6 +190,8 @@ def _deltas(
 ) -> dict[MeterKey, _Delta]:
     out: dict[MeterKey, _Delta] = {}
     for key, (t1, e1) in current.items():
+        if key[0] == "gpu_watts":
+            continue  # a power, not a running total
         before = previous.get(key)
         if before is None or t1 <= before[0]:
             continue
@@ -187,6 +220,11 @@ class _PidState:
         self.cpu_s = cpu_s
         self.cpu_energy_j = 0.0
         self.dram_energy_j = 0.0
+
+
+#: How long after its last power sample a GPU's power is held for attribution (ns): past it,
+#: a GPU no longer sampled has no attributed power rather than a stale one.
+POWER_HOLD_NS = 1_000_000_000
 
 
 class ProcessAttributor:
@@ -247,6 +285,7 @@ class ProcessAttributor:
                     gpus[gpu],
                     tracked_set,
                     deltas.get(("gpu", gpu)),
+                    self._gpu_power_w(t_ns, gpu, deltas, meter),
                     ("gpu", gpu) in meter,
                 )
             )
@@ -258,6 +297,29 @@ class ProcessAttributor:
         self._host_stat = host
         self._meter = dict(meter)
         return out
+
+    def _gpu_power_w(
+        self,
+        t_ns: int,
+        gpu: int,
+        deltas: Mapping[MeterKey, _Delta],
+        meter: Mapping[MeterKey, EnergyReading],
+    ) -> float | None:
+        """The GPU's power over the period: its power samples averaged (each held until the
+        next); its last sample's when no newer one came in this period (adaptive reads skip
+        only reads that would repeat the value), up to :data:`POWER_HOLD_NS` after it; the
+        energy counter's where the GPU reports no power."""
+        reading = meter.get(("gpu_power", gpu))
+        if reading is None:
+            counter = deltas.get(("gpu", gpu))
+            return counter.power_w if counter is not None else None
+        power = deltas.get(("gpu_power", gpu))
+        if power is not None:
+            return power.power_w
+        last = meter.get(("gpu_watts", gpu))
+        if last is not None and t_ns - last[0] <= POWER_HOLD_NS:
+            return last[1]
+        return None
 
     def _host_sample(
         self,
@@ -320,8 +382,11 @@ class ProcessAttributor:
         reading: GpuProcesses,
         tracked: set[int],
         delta: _Delta | None,
+        gpu_power_w: float | None,
         has_energy: bool,
     ) -> list[ProcessSample]:
+        """Samples of the tracked pids on one GPU. ``delta``: the GPU's energy over the period
+        (counter); ``gpu_power_w``: its power over the period (:meth:`_gpu_power_w`)."""
         present = set(reading.memory_bytes) | set(reading.sm_frac)
         mine = sorted(present & tracked)
         if not mine:
@@ -330,6 +395,9 @@ class ProcessAttributor:
         sm_mine = sum(reading.sm_frac.get(p, 0.0) for p in mine)
         mem_all_known = [reading.memory_bytes.get(p) for p in present]
         mem_all = sum(m for m in mem_all_known if m is not None)
+        # Split by memory only when every process's is known: one process without a figure
+        # would otherwise get an equal share on top of shares that already add up to 1.
+        by_memory = mem_all > 0 and all(m is not None for m in mem_all_known)
         mem_mine_known = [reading.memory_bytes.get(p) for p in mine]
         mem_mine = sum(m for m in mem_mine_known if m is not None)
         out: list[ProcessSample] = []
@@ -338,8 +406,8 @@ class ProcessAttributor:
             mem = reading.memory_bytes.get(pid)
             if sm_all > 0:
                 power_share = sm / sm_all
-            elif mem is not None and mem_all > 0:
-                power_share = mem / mem_all
+            elif by_memory:
+                power_share = (mem or 0) / mem_all
             else:
                 power_share = 1.0 / len(present)
             power_share = _clamp(power_share)
@@ -364,8 +432,9 @@ class ProcessAttributor:
             else:
                 if delta is not None:
                     energy += power_share * delta.energy_j
-                    sample.attributed_power_w = power_share * delta.power_w
                     self._pairs[key] = energy
+                if gpu_power_w is not None:
+                    sample.attributed_power_w = power_share * gpu_power_w
                 sample.attributed_energy_j = energy if has_energy else None
             out.append(sample)
         return out

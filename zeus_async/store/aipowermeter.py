@@ -17,10 +17,17 @@ maps to the recorded field that measures the same thing (:data:`FIELDS`):
   (``series("per_gpu_attributable_power", "gpu:0")``);
 * **experiment** names are one series over every device they cover (``device`` ``"all"``): the
   sum, at every instant any of those devices was sampled, of each device's value linearly
-  interpolated there (0 outside a device's own samples: a process that has not started draws
-  nothing). ``nvidia_draw_absolute`` is the all-GPU power; ``nvidia_attributable_power`` the
-  power attributed to the tracked processes on every GPU; ``rel_intel_power`` the experiment's
-  share of the CPU power (its processes' ``cpu_power_w``);
+  interpolated there between two of its own samples. An all-device series has points **only
+  where every device it sums has a reading**: from the latest first sample to the earliest last
+  sample of those devices (:func:`combine`). Before a GPU's first sample or after its last, its
+  power is unknown, not zero, and a sum without it would show the GPUs dropping out at the
+  edges of the recording (four GPUs read 1382.6, 998.7, 456.1, 385.4 W over the last four
+  points). Processes are different: one that has not started, or has exited, draws nothing, so
+  a process counts 0 outside its own samples, and only the span of each host's process tracking
+  (its first to its last process sample) bounds the series. ``nvidia_draw_absolute`` is the
+  all-GPU power; ``nvidia_attributable_power`` the power attributed to the tracked processes on
+  every GPU; ``rel_intel_power`` the experiment's share of the CPU power (its processes'
+  ``cpu_power_w``);
 * ``intel_power`` is derived as AIPowerMeter defines it, **psys + uncore + total_cpu**, where
   ``total_cpu_power`` is the RAPL ``core`` domain (the ``package`` domain on CPUs that report
   no ``core``); domains a CPU does not report are left out, as AIPowerMeter leaves them out.
@@ -28,7 +35,9 @@ maps to the recorded field that measures the same thing (:data:`FIELDS`):
 
 ``total(name)`` of a power name is the energy in joules over the recording (a RAPL domain's
 from its energy counter; other powers integrated over time), summed over the devices the name
-covers.
+covers, each over its own samples: the energy of every device is known over its whole span, so
+``total("nvidia_draw_absolute")`` is ``total("gpu.power_w")``, a little more than the integral
+of the series, which covers only the span common to every GPU.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ from typing import Final, Literal
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["FIELDS", "GROUPS", "AipmField", "combine", "is_aipowermeter"]
+__all__ = ["FIELDS", "GROUPS", "AipmField", "combine", "is_aipowermeter", "source_of"]
 
 #: How a name covers devices: one device at a time, every device summed, or per GPU the
 #: processes on it summed.
@@ -185,22 +194,49 @@ def covers(field: AipmField, device: str, domains: Callable[[str], Sequence[str]
     return False
 
 
+def source_of(field: AipmField, device: str) -> str:
+    """What must have a reading at every point of an all-device series of ``field``: the
+    device itself (a GPU, a RAPL domain), or for a process its host's process tracking (a
+    process outside its own samples draws nothing; its host's sampler has to be running for
+    that 0 to be known)."""
+    if field.devices[0].startswith("proc-"):
+        return "proc@" + device.partition("@")[2]
+    return device
+
+
 def combine(
-    parts: Sequence[tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]],
+    parts: Sequence[tuple[str, npt.NDArray[np.int64], npt.NDArray[np.float64]]],
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
-    """Sum of several series: at every time any of them has a value, each series linearly
-    interpolated there, 0 outside its own first..last sample."""
-    parts = [(t, v) for t, v in parts if len(t)]
+    """Sum of several series ``(source, t_ns, values)`` where every source has a reading.
+
+    The points are the times any series has a value, within the span common to every source
+    (from the latest first sample to the earliest last sample, a source's span running from
+    the first to the last sample of its series). At each point a series is linearly
+    interpolated between its own samples, and counts 0 outside its own first..last sample
+    (a process not running); a source is a device or a host's process tracking
+    (:func:`source_of`). Empty when the sources have no instant in common.
+    """
+    parts = [(src, t, v) for src, t, v in parts if len(t)]
     if not parts:
         return np.empty(0, dtype=np.int64), np.empty(0)
-    times = np.unique(np.concatenate([t for t, _ in parts]))
+    spans: dict[str, tuple[int, int]] = {}
+    for src, t, _ in parts:
+        first, last = int(t.min()), int(t.max())
+        seen = spans.get(src)
+        spans[src] = (first, last) if seen is None else (min(seen[0], first), max(seen[1], last))
+    lo = max(first for first, _ in spans.values())
+    hi = min(last for _, last in spans.values())
+    times = np.unique(np.concatenate([t for _, t, _ in parts]))
+    times = times[(times >= lo) & (times <= hi)]
+    if not len(times):
+        return np.empty(0, dtype=np.int64), np.empty(0)
     base = times[0]
     total = np.zeros(len(times))
-    for t, v in parts:
+    for _, t, v in parts:
         order = np.argsort(t, kind="stable")
         t, v = t[order], v[order]
-        lo, hi = np.searchsorted(times, t[0], "left"), np.searchsorted(times, t[-1], "right")
+        a, b = np.searchsorted(times, t[0], "left"), np.searchsorted(times, t[-1], "right")
         # relative times: exact in a float64 (absolute ns since the epoch are not)
-        at = (times[lo:hi] - base).astype(np.float64)
-        total[lo:hi] += np.interp(at, (t - base).astype(np.float64), v)
+        at = (times[a:b] - base).astype(np.float64)
+        total[a:b] += np.interp(at, (t - base).astype(np.float64), v)
     return times, total

@@ -100,7 +100,7 @@ from .columns import (
 )
 from .format import RecordingHeader
 from .progress import PROGRESS_EVERY, Progress, ProgressTicker
-from .reader import RecordingReader, RecoveryReport, event_device
+from .reader import PartOf, RecordingReader, RecoveryReport, event_device
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -327,6 +327,9 @@ class Recording:
     Attributes:
         path: The recording file.
         header: Run metadata (:class:`~zeus_async.store.RecordingHeader`).
+        part_of: Given a later part of a rotated recording (``run.3.zarc``), which part of
+            which recording it is (:class:`~zeus_async.store.reader.PartOf`): its figures are
+            that part's only. ``None`` otherwise.
         report: What the load pass found (torn tail, corrupt frames); damage is reported,
             every complete frame is analyzed.
         start_ns: Time of the earliest event (``header.start_wall_ns`` for an empty file).
@@ -341,6 +344,7 @@ class Recording:
         reader = RecordingReader(path)
         self.path = reader.path
         self.header: RecordingHeader = reader.header
+        self.part_of: PartOf | None = reader.part_of
         loaded = load_columns(reader, progress)
         self.report: RecoveryReport = reader.report
         self._tables = loaded.tables
@@ -436,13 +440,16 @@ class Recording:
         return self.duration_s, when(self.start_ns), when(self.end_ns)
 
     def __str__(self) -> str:
-        """What the recording holds: duration with start and end, devices, then the metrics
-        available, AIPowerMeter's names grouped as it groups them (CPU, GPU, Experiments)."""
+        """What the recording holds: duration with start and end, which part of which
+        recording it is when it is a later part of a rotated one read alone, devices, then the
+        metrics available, AIPowerMeter's names grouped as it groups them (CPU, GPU,
+        Experiments)."""
         seconds, start, end = self.get_duration()
         lines = [
             f"Recording {self.path}: {seconds:.3f} s, "
             f"{start.isoformat(timespec='milliseconds')} to "
             f"{end.isoformat(timespec='milliseconds')}",
+            *([f"This file is {self.part_of}"] if self.part_of is not None else []),
             f"Hosts: {', '.join(self.hosts) or '-'}",
             f"Devices: {', '.join(self.devices()) or '-'}",
             "Available metrics :",
@@ -475,6 +482,22 @@ class Recording:
         t, v = self._column(key, "t_ns"), self._column(key, name).astype(np.float64, copy=False)
         known = ~np.isnan(v)
         return (t, v) if known.all() else (t[known], v[known])
+
+    def _running(
+        self, key: str, metric: str
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
+        """:meth:`_values` of the samples a total takes: each later than every earlier sample
+        of the device, as the estimator takes them (:meth:`DeviceHistory.add`). A duplicate
+        or a sample delivered out of order (late) is left out, so it can neither add energy
+        nor move a span's end back."""
+        t = self._column(key, "t_ns")
+        keep = np.ones(len(t), dtype=bool)
+        if len(t) > 1:
+            keep[1:] = t[1:] > np.maximum.accumulate(t)[:-1]
+        name = metric.rpartition(".")[2]
+        v = self._column(key, name).astype(np.float64, copy=False)
+        keep &= ~np.isnan(v)
+        return (t, v) if keep.all() else (t[keep], v[keep])
 
     def _metrics_of(self, key: str) -> list[str]:
         """Metrics with at least one value for ``key``, in schema order."""
@@ -648,16 +671,27 @@ class Recording:
                     f"{field.name!r} is one series over every device it covers; "
                     f"call series({field.name!r}) without a device"
                 )
-            t, v = aipm.combine([self._values(k, field.metric) for k in keys])
+            t, v = aipm.combine(self._aipm_parts(field, keys))
+            if not len(t):
+                raise ConfigError(
+                    f"{field.name!r} sums {', '.join(keys)}, which have no instant where "
+                    f"every one has a reading; read them one by one"
+                )
             return Series(field.name, "all", t, v * field.scale, self.start_ns)
         if field.scope == "per-gpu":
             groups = self._per_gpu(keys)
             key = self._pick(field.name, device, list(groups))
-            t, v = aipm.combine([self._values(k, field.metric) for k in groups[key]])
+            t, v = aipm.combine(self._aipm_parts(field, groups[key]))
             return Series(field.name, key, t, v * field.scale, self.start_ns)
         key = self._pick(field.name, device, keys)
         t, v = self._values(key, field.metric)
         return Series(field.name, key, t, v * field.scale, self.start_ns)
+
+    def _aipm_parts(
+        self, field: aipm.AipmField, keys: list[str]
+    ) -> list[tuple[str, npt.NDArray[np.int64], npt.NDArray[np.float64]]]:
+        """``(source, t_ns, values)`` of each key, for :func:`~.aipowermeter.combine`."""
+        return [(aipm.source_of(field, k), *self._values(k, field.metric)) for k in keys]
 
     @staticmethod
     def _per_gpu(keys: list[str]) -> dict[str, list[str]]:
@@ -704,14 +738,16 @@ class Recording:
         ``metric`` may be one of AIPowerMeter's names (:mod:`~zeus_async.store.aipowermeter`):
         its values are then in AIPowerMeter's units (percent where it gives percent), and an
         experiment-wide name (``nvidia_draw_absolute``, ``intel_power``) is one series over
-        every device it covers, with ``device`` ``"all"``.
+        every device it covers, with ``device`` ``"all"``, with points only where every one of
+        those devices has a reading (:func:`~zeus_async.store.aipowermeter.combine`).
 
         Args:
             metric: The metric.
             device: The device; may be left out when only one device has the metric.
 
         Raises:
-            ConfigError: Unknown metric, or a device without values of it.
+            ConfigError: Unknown metric, a device without values of it, or an experiment-wide
+                name whose devices have no instant in common.
         """
         field = aipm.FIELDS.get(metric)
         if field is not None:
@@ -823,7 +859,9 @@ class Recording:
         """(last - first value, first t, last t) of a running-total column, if any."""
         if metric not in self._metrics_of(key):
             return None
-        t, v = self._values(key, metric)
+        t, v = self._running(key, metric)
+        if not len(t):
+            return None
         return float(v[-1] - v[0]), int(t[0]), int(t[-1])
 
     def _process_totals(self) -> dict[str, ProcessTotal]:
@@ -850,8 +888,9 @@ class Recording:
                         entry[slot] = got[0]
                         spans.append(got)
             for metric in self._metrics_of(key):
-                t, _ = self._values(key, metric)
-                spans.append((0.0, int(t[0]), int(t[-1])))
+                t, _ = self._running(key, metric)
+                if len(t):
+                    spans.append((0.0, int(t[0]), int(t[-1])))
             for _, t0, t1 in spans:
                 entry["t0"] = t0 if entry["t0"] is None else min(entry["t0"], t0)
                 entry["t1"] = t1 if entry["t1"] is None else max(entry["t1"], t1)
@@ -950,7 +989,7 @@ class Recording:
 
     def _integrate(self, key: str, metric: str) -> EnergyEstimate:
         """A series through a fresh :class:`DeviceHistory`: power integrated, or a counter."""
-        t, v = self._values(key, metric)
+        t, v = self._running(key, metric)
         counter = _energy_field(metric)
         history = DeviceHistory.from_arrays(
             f"{key} {metric}", t, None if counter else v, v if counter else None, fine_counter=True

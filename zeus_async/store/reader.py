@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import anyio
 
-from ..errors import CodecError, ConfigError, ZeusAsyncError
+from ..errors import CodecError, ConfigError, SchemaVersionError, ZeusAsyncError
 from ..events import (
     EVENT_TYPES,
     SCHEMA_VERSION,
@@ -66,11 +66,12 @@ from .format import (
     RecordingHeader,
     decode_header,
     recording_parts,
+    rotated_path,
     unpack_frame_prefix,
     unpack_header_prefix,
 )
 
-__all__ = ["RecordingReader", "RecoveryReport", "event_device"]
+__all__ = ["PartOf", "RecordingReader", "RecoveryReport", "event_device", "part_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -320,6 +321,64 @@ class _Part(NamedTuple):
     size: int
 
 
+class PartOf(NamedTuple):
+    """Where a later part of a rotated recording, read alone, belongs.
+
+    A part is a complete recording of its own (its own header, its frames intact), so read
+    alone it is "complete"; this says of what it is a part, so that nobody takes its figures
+    for the whole run's.
+
+    Attributes:
+        part: The part's index (``meta["part"]`` of its header; ``run.3.zarc`` is part 3, the
+            fourth file).
+        parts: Parts of the recording found beside it (``recording_parts(first)``), or ``None``
+            when its first file or a part before it is missing.
+        first: The recording's first file, the one to read for the whole recording (``None``
+            when the part's file name does not derive from one: it was renamed).
+    """
+
+    part: int
+    parts: int | None
+    first: Path | None
+
+    def __str__(self) -> str:
+        n = self.part + 1
+        if self.first is None:
+            return f"part {n} of a rotated recording (renamed: its other parts are not found)"
+        name = self.first.name
+        if self.parts is not None:
+            return f"part {n} of {self.parts} of {name} (read {name} for the whole recording)"
+        if not self.first.exists():
+            return f"part {n} of {name}, which is missing"
+        have = len(recording_parts(self.first))
+        return (
+            f"part {n} of {name}, whose part {have + 1} "
+            f"({rotated_path(self.first, have).name}) is missing"
+        )
+
+
+def part_of(path: Path, header: RecordingHeader) -> PartOf | None:
+    """Which part of which rotated recording ``path`` is, when its header says it is a later
+    part (``meta["part"]``, written by the recorder from the second file on); ``None`` for a
+    first part or a recording that was never rotated."""
+    text = header.meta.get("part", "")
+    if not (text.isascii() and text.isdigit()) or int(text) == 0:
+        return None
+    index = int(text)
+    first = None
+    # run.3.zarc is part 3 of run.zarc; a name without a suffix: run.3 of run
+    for name in (path.stem.removesuffix(f".{index}") + path.suffix, path.stem):
+        candidate = path.with_name(name)
+        if name and candidate != path and rotated_path(candidate, index) == path:
+            first = candidate
+            break
+    count = None
+    if first is not None and first.exists():
+        parts = recording_parts(first)
+        count = len(parts) if len(parts) > index else None
+    return PartOf(index, count, first)
+
+
 class RecordingReader:
     """Reads a recording written by :class:`~zeus_async.store.Recorder`.
 
@@ -339,13 +398,17 @@ class RecordingReader:
         format_version: File layout version of the file.
         schema_version: Event schema version of the file.
         data_offset: Offset of the first frame.
+        part_of: Given a later part of a rotated recording (``run.3.zarc``), which part of
+            which recording it is (:class:`PartOf`; ``str()`` says it in words); ``None``
+            otherwise.
         report: :class:`RecoveryReport` of the latest pass (iteration, :meth:`aiter`,
             :meth:`seek_time` or :meth:`events_between`); updated as the pass proceeds.
 
     Raises:
         NotARecordingError: The file does not start with ``b"ZARC"``.
-        SchemaVersionError: Unsupported format or schema version.
-        CodecError: Truncated or corrupt header.
+        SchemaVersionError: Unsupported format or schema version (whatever follows the
+            header: the frames of an unknown format are not read as those of a known one).
+        CodecError: Truncated or corrupt header with no valid frame after it.
         OSError: The file cannot be read.
 
     Iterating (``for event in reader``) yields every event of every valid frame, in file order.
@@ -364,7 +427,10 @@ class RecordingReader:
                 self.schema_version = prefix.schema_version
                 head += f.read(prefix.body_len + 4)
             _, header, self.data_offset = decode_header(head)
-        except NotARecordingError:
+        except (NotARecordingError, SchemaVersionError):
+            # Not a recording, or one of a format or schema this build does not know: its
+            # frames cannot be trusted to mean what this build would read them as (a format
+            # version of 2306 was read as "format v2", the frames decoded as such).
             raise
         except CodecError as exc:
             # A damaged header (a flipped bit fails its CRC or its length): the frames carry
@@ -374,6 +440,7 @@ class RecordingReader:
                 raise
             header, self.data_offset = recovered
         self.header: RecordingHeader = header
+        self.part_of: PartOf | None = part_of(self.path, header)
         self._codec = PayloadCodec(header.compression)
         self.report = RecoveryReport()
         self._index: list[tuple[int, int]] | None = None
