@@ -62,12 +62,15 @@ def test_process_table_shows_cpu_as_top_does_percent_of_one_core(tmp_path: objec
     assert proc.returncode == 3, proc.stderr
     table = proc.stdout.split("Totals")[1].split("\n\n", 1)[1].splitlines()
     assert table[0].split()[:4] == ["process", "%CPU", "(core)", "PSS"]
-    rows = {line.split()[1]: line.split()[2] for line in table[2:] if line.startswith("pid ")}
+    # Each process named as top names it: pid and command.
+    rows = {line.split()[1]: line.split()[3] for line in table[2:] if line.startswith("pid ")}
+    names = {line.split()[1]: line.split()[2] for line in table[2:] if line.startswith("pid ")}
     samples = [e for e in RecordingReader(path) if isinstance(e, ProcessSample)]
     host_side = [s for s in samples if s.gpu is None and s.cpu_frac is not None]
     cores = os.cpu_count() or 1
     burner = max(host_side, key=lambda s: s.cpu_frac or 0.0).pid
     # the table's figure is one of the samples' (the latest), per core: cpu_frac * cores * 100
+    assert names[str(burner)].startswith("python"), names
     shown = float(rows[str(burner)])
     per_core = [s.cpu_frac * cores * 100 for s in host_side if s.pid == burner and s.cpu_frac]
     assert any(f"{shown:.1f}" == f"{v:.1f}" for v in per_core), (shown, per_core)

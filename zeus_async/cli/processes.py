@@ -191,23 +191,45 @@ class ProcessTable:
     the logical CPUs of the machine sampled (``cpu_count``: this one, where ``monitor`` runs
     the sampler).
 
+    Each row names its process as ``top`` does, by pid and command (``pid 4242 python3``),
+    looked up on this machine (where ``monitor`` samples) when the pid's first sample comes; a
+    pid gone before that shows its pid alone.
+
     Args:
         cpu_count: Logical CPUs of the machine the samples come from (default: this one's, as
             the process sampler counts them).
+        local: Whether the samples come from this machine (command names are looked up here).
     """
 
-    def __init__(self, cpu_count: int | None = None) -> None:
+    def __init__(self, cpu_count: int | None = None, *, local: bool = True) -> None:
         if cpu_count is None:
             import psutil
 
             cpu_count = psutil.cpu_count() or 1
         self.cpu_count = cpu_count
+        self.local = local
+        self._names: dict[int, str] = {}
         self.host_side: dict[int, ProcessSample] = {}
         self.on_gpu: dict[tuple[int, int], ProcessSample] = {}
+
+    def command(self, pid: int) -> str:
+        """The process's command name (``python3``) now, or the last one seen once it has
+        exited (a process may exec another program: ``monitor -- CMD`` starts CMD through a
+        held stub); ``""`` when never seen."""
+        if self.local:
+            import psutil
+
+            try:
+                self._names[pid] = psutil.Process(pid).name()
+            except psutil.Error:
+                pass
+        return self._names.get(pid, "")
 
     def add(self, event: Event) -> None:
         if not isinstance(event, ProcessSample):
             return
+        if event.gpu is None:  # once per pid per period: the name it runs under now
+            self.command(event.pid)
         if event.gpu is None:
             self.host_side[event.pid] = event
         else:
@@ -240,7 +262,7 @@ class ProcessTable:
             energy = sum(known) if known else None
             rows.append(
                 [
-                    f"pid {pid}",
+                    f"pid {pid} {self.command(pid)}".rstrip(),
                     _fmt(cpu),
                     _fmt(pss, 2**20, 0),
                     _fmt(None if host is None else host.cpu_power_w),
