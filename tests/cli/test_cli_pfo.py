@@ -7,15 +7,20 @@ import signal
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
+import zmq
 from cli_helpers import popen, run_cli
 
 from zeus_async.optimizer.pipeline import (
     InstructionProfilingResult,
+    JobInfo,
     OfflineProfilingResult,
     PfoClient,
+    PfoServerError,
     read_plan,
 )
+from zeus_async.optimizer.pipeline import protocol as p
 
 
 def _profile(path: Path) -> None:
@@ -88,7 +93,7 @@ def test_pfo_server_serves_until_interrupted(tmp_path: Path) -> None:
     finally:
         server.send_signal(2)
         _, err = server.communicate(timeout=20)
-    assert server.returncode == 0, err
+    assert server.returncode == 130, err  # Ctrl-C: the same status on every command
 
 
 def _large_profile(path: Path, stages: int = 8, clocks: int = 40) -> None:
@@ -281,3 +286,62 @@ def test_pfo_server_checks_scheduler_arguments_at_start(args: list[str], message
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_pfo_server_queue_and_registration_grace_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bad = run_cli("pfo-server", "--max-queue-mib", "0")
+    assert bad.returncode == 2 and "--max-queue-mib" in bad.stderr
+    monkeypatch.setenv("ZEUS_PFO_MAX_QUEUE_MIB", "lots")
+    bad = run_cli("pfo-server", "--no-dump", "--duration", "1")
+    assert bad.returncode == 1
+    assert bad.stderr.strip() == (
+        "zeus-async pfo-server: ZEUS_PFO_MAX_QUEUE_MIB must be a number of MiB, not 'lots'"
+    )
+
+    monkeypatch.setenv("ZEUS_PFO_MAX_QUEUE_MIB", "1")
+    plan = tmp_path / "plan.json"
+    plan.write_text("[]")
+    server = popen(
+        "pfo-server", "--bind", "tcp://127.0.0.1:*", "--no-dump",
+        "--scheduler-args", json.dumps({"solution_path": str(plan)}),
+        "--max-jobs-per-client", "1", "--registration-grace", "0.2",
+    )  # fmt: skip
+    try:
+        assert server.stdout is not None
+        endpoint = server.stdout.readline().split(": ", 1)[1].split(" ", 1)[0]
+        # A request of 1.2 MiB (its frames each under the 1 MiB that libzmq lets through):
+        # past the queue's 1 MiB, answered busy.
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        info = msgspec.msgpack.encode({"type": "info", "token": "x" * 600_000})
+        sock.send_multipart([b"", b"r" * 600_000, info])
+        assert sock.poll(10_000)
+        reply = p.reply_decoder.decode(sock.recv_multipart()[-1])
+        sock.close()
+        assert isinstance(reply, p.ErrorReply) and reply.code == "busy"
+        assert "(1 MiB, max_queue_mib" in reply.message
+
+        # One job per client: a second one takes the first's place once the first has been
+        # left incomplete for 0.2 s (registration_grace).
+        client = PfoClient(endpoint, timeout_s=10)
+        never = JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2)
+        client.register_job(never)
+        with pytest.raises(PfoServerError) as err:
+            client.register_job(never)
+        assert err.value.code == "busy"
+        assert "incomplete for 0.2 s (registration_grace)" in err.value.message
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                second = client.register_job(never)
+                break
+            except PfoServerError as exc:
+                assert exc.code == "busy" and time.monotonic() < deadline
+                time.sleep(0.05)
+        assert client.info(second).jobs_total == 1  # in the first's place
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.communicate(timeout=20)

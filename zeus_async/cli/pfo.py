@@ -36,10 +36,12 @@ def add_parsers(sub: Any) -> None:
         description=(
             "The pipeline frequency optimization server. Settings come from ZEUS_PFO_* "
             "environment variables (SCHEDULER, SCHEDULER_ARGS, LOG_LEVEL, DUMP_DATA, DUMP_DIR, "
-            "MAX_JOB_IDLE_TIME, REGISTRATION_TIMEOUT, MAX_JOBS, MAX_JOBS_PER_CLIENT, "
-            "MAX_CLIENT_MIB, MAX_TOTAL_MIB, ADMIN_TOKEN, CURVE_SECRET, CURVE_ALLOW); the options "
-            "below override them. Each job is opened only by the token its registration "
-            "returned."
+            "MAX_JOB_IDLE_TIME, REGISTRATION_TIMEOUT, REGISTRATION_GRACE, MAX_JOBS, "
+            "MAX_JOBS_PER_CLIENT, MAX_CLIENT_MIB, MAX_TOTAL_MIB, MAX_QUEUE_MIB, ADMIN_TOKEN, "
+            "CURVE_SECRET, CURVE_ALLOW); the options below override them. Each job is opened "
+            "only by the token its registration returned. A client is its CURVE key when the "
+            "server checks keys, its uid over ipc, else its address (all of loopback is one "
+            "client, else an IPv4 /24 or an IPv6 /64)."
         ),
     )
     srv.add_argument(
@@ -57,12 +59,20 @@ def add_parsers(sub: Any) -> None:
         metavar="S",
         help="evict a job whose ranks have not all registered within S s (default 600)",
     )
+    srv.add_argument(
+        "--registration-grace",
+        type=positive_float,
+        default=None,
+        metavar="S",
+        help="when the job limits are reached, a new job may take the place of one whose ranks "
+        "have not all registered within S s (default 5)",
+    )
     srv.add_argument("--max-jobs", type=positive_int, default=None, help="default 1000")
     srv.add_argument(
         "--max-jobs-per-client",
         type=positive_int,
         default=None,
-        help="default 64 (a client: its CURVE key, else its network address)",
+        help="default 64 (a client: its CURVE key, its uid over ipc, else its address)",
     )
     srv.add_argument(
         "--max-client-mib",
@@ -77,6 +87,14 @@ def add_parsers(sub: Any) -> None:
         default=None,
         metavar="MIB",
         help="memory all jobs may hold together (default 2048)",
+    )
+    srv.add_argument(
+        "--max-queue-mib",
+        type=positive_float,
+        default=None,
+        metavar="MIB",
+        help="requests received and not yet handled; past it a request is answered busy "
+        "(default 64)",
     )
     add_server_curve_args(srv, what="--bind")
     srv.add_argument("--log-level", default=None)
@@ -131,10 +149,12 @@ async def _pfo_server(args: argparse.Namespace, out: TextIO) -> int:
         "dump_dir": args.dump_dir,
         "max_job_idle_time": args.max_job_idle_time,
         "registration_timeout": args.registration_timeout,
+        "registration_grace": args.registration_grace,
         "max_jobs": args.max_jobs,
         "max_jobs_per_client": args.max_jobs_per_client,
         "max_client_mib": args.max_client_mib,
         "max_total_mib": args.max_total_mib,
+        "max_queue_mib": args.max_queue_mib,
         "log_level": args.log_level,
         "curve_secret": args.curve_secret,
         "curve_allow": args.curve_allow,

@@ -56,13 +56,17 @@ async def _sync(func: Callable[[], T]) -> T:
 
 @contextmanager
 def running_server(
-    tmp_path: Path, clock: FakeClock | None = None, **settings: Any
+    tmp_path: Path,
+    clock: FakeClock | None = None,
+    *,
+    endpoint: str = "tcp://127.0.0.1:*",
+    **settings: Any,
 ) -> Iterator[tuple[ServerUnderTest, str]]:
     settings.setdefault("dump_dir", str(tmp_path / "dump"))
     settings.setdefault("admin_token", ADMIN)
     server = ServerUnderTest(
         PfoSettings(**settings),
-        "tcp://127.0.0.1:*",
+        endpoint,
         clock=clock or FakeClock(),
         evict_period_s=3600,
     )

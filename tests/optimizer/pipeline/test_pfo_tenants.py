@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import psutil
 import pytest
+import zmq
 
 from zeus_async.bus.curve import generate_certificates, load_client_keys
 from zeus_async.optimizer.pipeline import JobInfo, PfoClient, PfoServerError, RankInfo
@@ -58,8 +63,8 @@ def _server(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
 
 def _stop(proc: subprocess.Popen[str]) -> None:
     proc.terminate()
-    proc.communicate(timeout=30)
-    assert proc.returncode == 0
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, err  # stopped cleanly by SIGTERM
 
 
 def _code(call: object, *args: object) -> str:
@@ -234,6 +239,73 @@ for i in range(int(sys.argv[2])):
         break
 print(sent)
 """
+
+
+def _peak_rss(pid: int) -> int:
+    """The process's peak resident memory so far, in bytes (Linux's ``VmHWM``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def _at_once(endpoint: str, n: int, payload: bytes) -> Counter[str]:
+    """``n`` clients send ``payload`` at once; how they were answered."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        socks = [ctx.socket(zmq.DEALER) for _ in range(n)]
+        poller = zmq.Poller()
+        for sock in socks:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            poller.register(sock, zmq.POLLIN)
+        for sock in socks:
+            sock.send_multipart([b"", bytes(8), payload], copy=False)
+        answers: Counter[str] = Counter()
+        while sum(answers.values()) < n:
+            ready = poller.poll(60_000)
+            assert ready, f"{n - sum(answers.values())} requests were not answered"
+            for sock, _ in ready:
+                reply = p.reply_decoder.decode(sock.recv_multipart()[-1])
+                answers[reply.code if isinstance(reply, p.ErrorReply) else "answered"] += 1
+                poller.unregister(sock)
+        return answers
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _report(mib: float, job_id: str = "none", token: str = "none") -> bytes:
+    """A profiling report of ``mib`` MiB (msgpack spends 9 bytes on a float)."""
+    floats = [0.5] * int(mib * 2**20 / 2 / 9)
+    result = {"rank": 0, "iter_time": floats, "iter_energy": floats}
+    return msgspec.msgpack.encode(
+        {"type": "report", "job_id": job_id, "token": token, "result": result}
+    )
+
+
+def test_requests_sent_at_once_are_bounded_in_bytes(tmp_path: Path) -> None:
+    # 40 clients send a 15 MiB report each at once (600 MiB). Before, the server held all of
+    # them (in libzmq's queues) while it decoded them one by one: 693 MiB at its peak. Now it
+    # takes each from libzmq as it arrives, holds at most max_queue_mib (64) of them, and
+    # answers the rest `busy` at once. What remains is what libzmq holds of the messages still
+    # arriving (it receives a whole message before the server sees it): 210-360 MiB here.
+    server, ep = _server(tmp_path)
+    try:
+        rss = psutil.Process(server.pid).memory_info().rss
+        forged = _at_once(ep, 40, _report(15))  # about no job: refused once skimmed
+        grown = _peak_rss(server.pid) - rss
+        assert set(forged) <= {"busy", "unknown_job"}, forged
+        assert grown < 480 * 2**20, f"the server grew by {grown / 2**20:.0f} MiB at its peak"
+
+        # A tenant's own reports are decoded in full (~0.1 s each): they queue up, and those
+        # past 64 MiB are answered busy.
+        tenant = PfoClient(ep, timeout_s=10)
+        job = tenant.register_job(_job())
+        mine = _at_once(ep, 40, _report(15, job, tenant.tokens[job]))
+        assert set(mine) == {"busy", "bad_rank"} and mine["busy"] >= 20, mine  # rank 0: none
+        tenant.register_rank(job, _rank(0))  # the server serves on
+    finally:
+        _stop(server)
 
 
 def test_curve_on_the_pfo_server(tmp_path: Path) -> None:

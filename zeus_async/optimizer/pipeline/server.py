@@ -22,27 +22,57 @@ have left (``leave``, sent as each rank's optimizer closes).
 
 Tenants share the server safely: a job is opened only by the token its registration returned
 (:mod:`.protocol`); jobs are bounded in total (``max_jobs``) and per client
-(``max_jobs_per_client``; a client is its CURVE key when the server checks keys, else its
-network address); so is the memory their ranks and results hold (``max_client_mib``,
+(``max_jobs_per_client``); so is the memory their ranks and results hold (``max_client_mib``,
 ``max_total_mib``, counted as the decoded objects' size); each client's unread replies are
 bounded (:data:`REPLY_QUEUE` messages, then dropped and counted) and so is a request's size
 (:data:`MAX_REQUEST_BYTES`, beyond which the client is disconnected); with ``curve_secret``
 the socket is a CURVE server, as the bus's publishers are. Tokens never reach the log.
+
+**Who a client is** (the limits' "per client", :func:`peer_of`): the strongest identity the
+transport gives, because a weaker one is free to multiply. With CURVE and an allow-list, the
+client's public key (ZAP's ``User-Id``); over ipc, the peer process's uid (``SO_PEERCRED``);
+over plain TCP, its address, bucketed: all of loopback (127.0.0.0/8, ::1) is one client, since
+any local process can pick any of those addresses; else an IPv4 /24 or an IPv6 /64 (one host's
+or one site's worth of addresses). CURVE without an allow-list accepts any key, which costs
+nothing to make, so there too the address counts.
+
+**Registrations that never finish** hold a place only while places are free: when a limit is
+reached, a new registration takes the place of an incomplete one (some ranks not registered)
+older than ``registration_grace`` (default 5 s): its own client's oldest, when that client is at
+``max_jobs_per_client``; at ``max_jobs``, the oldest of the client holding the most incomplete
+registrations, if that client holds more than the newcomer (a flood gives up its places to
+others; a client with one slow job keeps it), else the newcomer's own oldest. The evicted job's
+waiting requests get ``evicted``; complete jobs are never displaced. So an honest job waits
+seconds, not ``registration_timeout``, behind a flood of registrations whose ranks never come.
+
+**Requests waiting to be handled** are bounded in bytes (``max_queue_mib``): the server takes
+every complete request from libzmq at once (so libzmq's queues stay short), and one that would
+take the queue past the limit is answered ``busy`` and dropped, after the queued requests of the
+client holding the most bytes have been dropped (answered ``busy``), newest first, while that
+client holds more than this one would. Requests are handled in turn client by client, and at
+most :data:`QUEUED_REQUESTS` wait (then the server stops reading and TCP pushes back, as libzmq
+queues at most :data:`REQUEST_QUEUE` per connection). What this cannot bound: libzmq receives
+a message, all its frames, before the server sees any of it, and ``ZMQ_MAXMSGSIZE`` caps a
+frame, not a message, so each connection sending at that moment holds what it has sent so far
+(``bench/bench_pfo_flood.py`` measures 40 clients at once). Where clients are not trusted, use
+CURVE with an allow-list (an unknown key is refused before it can send) or an ipc endpoint.
 """
 
 from __future__ import annotations
 
+import functools
 import hmac
+import ipaddress
 import logging
 import secrets
 import time
 import traceback
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.abc
@@ -67,7 +97,7 @@ from .messages import (
 from .schedulers import FrequencyScheduler
 from .settings import PfoSettings
 
-__all__ = ["DEFAULT_ENDPOINT", "PfoServer"]
+__all__ = ["DEFAULT_ENDPOINT", "PfoServer", "peer_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,27 +107,95 @@ DEFAULT_ENDPOINT = "tcp://127.0.0.1:7787"
 #: many messages, not memory without bound (further replies to it are dropped and counted).
 REPLY_QUEUE = 64
 
-#: Requests queued from one client at most (then TCP pushes back on the client).
-REQUEST_QUEUE = 1000
+#: Complete requests libzmq queues for one connection (``ZMQ_RCVHWM``): the server takes them
+#: at once, and when it stops reading (:data:`QUEUED_REQUESTS`), TCP pushes back on the client
+#: once this many wait. A client has one request at a time in flight, and a ``leave``.
+REQUEST_QUEUE = 16
 
-#: The largest request accepted; a client that sends more is disconnected (a profiling result
-#: of 1,000 instructions x 10 iterations is ~200 kB).
+#: Requests the server's own queue holds at most, however small (each also costs its frames'
+#: objects): past it the server stops reading until it has handled some.
+QUEUED_REQUESTS = 256
+
+#: Requests read from libzmq in one go before one is handled (a flood of refused requests
+#: does not starve the handling of queued ones).
+_DRAIN_BATCH = 1024
+#: Requests handled before the server's other tasks (jobs, eviction) get their turn.
+_HANDLE_BATCH = 64
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+#: The largest request frame accepted (``ZMQ_MAXMSGSIZE``, lowered to ``max_queue_mib`` when
+#: that is smaller); a client that sends more is disconnected (a profiling result of 1,000
+#: instructions x 10 iterations is ~200 kB).
 MAX_REQUEST_BYTES = 16 * 2**20
 
 _Peer = tuple[bytes, bytes]  # (ROUTER identity, request id)
 
 
-def _client_of(frame: zmq.Frame) -> str:
-    """Who sent a request, for the per-client job limit: the CURVE client's public key when
-    the server authenticates keys, else its network address ("local" for ipc)."""
-    for prop in ("User-Id", "Peer-Address"):
-        try:
-            value = frame.get(prop)
-        except (zmq.ZMQError, UnicodeDecodeError):
-            continue
-        if value:
-            return str(value)
-    return "local"
+def _property(frame: zmq.Frame, name: str) -> str:
+    try:
+        return str(frame.get(name) or "")
+    except (zmq.ZMQError, UnicodeDecodeError):  # not set (EINVAL): no ZAP, no address
+        return ""
+
+
+def peer_of(frame: zmq.Frame, transport: str, *, keys: bool = True) -> str:
+    """Who sent ``frame``, for the per-client limits: ``key <z85>`` (CURVE with an allow-list:
+    ZAP's ``User-Id``), ``uid <n>`` (ipc), ``loopback`` or an address block such as
+    ``10.1.2.0/24`` (TCP); see the module docstring. ``transport`` is the server's (``tcp``);
+    ``keys``: whether a ZAP handler may have set a ``User-Id`` (else it is not looked for)."""
+    user = _property(frame, "User-Id") if keys else ""
+    if user:
+        return f"key {user}"
+    return _peer_of_address(transport, _property(frame, "Peer-Address"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _peer_of_address(transport: str, address: str) -> str:
+    if transport == "ipc":
+        # libzmq appends the peer's SO_PEERCRED: "localhost:<uid>:<gid>:<pid>". The uid is the
+        # principal: every process of one user is one client.
+        fields = address.split(":")
+        if len(fields) >= 4 and fields[-3].isdigit():
+            return f"uid {fields[-3]}"
+        return "ipc"  # no credentials on this platform: every local client is one
+    try:
+        ip: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(address)
+    except ValueError:
+        return address or transport  # inproc, or a transport without addresses
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_loopback:
+        return "loopback"  # any local process can use any of 127.0.0.0/8 (and ::1)
+    if isinstance(ip, ipaddress.IPv4Address):
+        return str(ipaddress.IPv4Network((int(ip), 24), strict=False))
+    return str(ipaddress.IPv6Network((int(ip), 64), strict=False))
+
+
+class _Head(msgspec.Struct):
+    """What a request is about: read first, skipping the rest (a skim of a 15 MiB report
+    takes ~4 ms and allocates nothing), so that a request about a job its token does not open
+    is refused before it is decoded in full (~0.2 s and ~55 MiB of objects for that report)."""
+
+    type: str = ""
+    job_id: str = ""
+    token: str = ""
+
+
+_head_decoder = msgspec.msgpack.Decoder(_Head)
+#: Requests about a job, opened only by its token.
+_JOB_REQUESTS = frozenset({"register_rank", "get_schedule", "report", "leave"})
+#: Requests larger than this are skimmed first (a smaller one is decoded in a few µs anyway).
+_SKIM_FROM = 64 * 1024
+
+
+@dataclass(eq=False, slots=True)
+class _Request:
+    """A request taken from the socket and not yet handled."""
+
+    peer: _Peer
+    client: str
+    payload: zmq.Frame
+    size: int
 
 
 def _describe(message: object) -> str:
@@ -202,6 +300,11 @@ class _Job:
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
 
 
+def _incomplete(job: _Job) -> bool:
+    """Whether some of ``job``'s ranks have not registered (its task may not have run yet)."""
+    return job.state == "registering" and len(job.ranks) < job.info.world_size
+
+
 class PfoServer:
     """The server; ``await server.serve()`` runs it until cancelled.
 
@@ -242,6 +345,20 @@ class PfoServer:
         self.replies_dropped = 0
         #: Requests refused for a wrong or missing token.
         self.requests_forbidden = 0
+        #: Requests answered ``busy`` because the request queue was full (max_queue_mib).
+        self.requests_refused = 0
+        #: Incomplete registrations evicted to make room for a new one (registration_grace).
+        self.registrations_displaced = 0
+        self._transport = endpoint.partition("://")[0].lower()
+        self._queue_limit = int(self.settings.max_queue_mib * 2**20)
+        #: Requests waiting to be handled, per client in arrival order; the dict's order is
+        #: the turn in which clients are served.
+        self._queue: dict[str, deque[_Request]] = {}
+        self._queued_by: Counter[str] = Counter()  # bytes queued per client
+        self._queued_bytes = 0
+        self._queued_count = 0
+        #: The most bytes the request queue has held.
+        self.queued_bytes_peak = 0
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -254,7 +371,8 @@ class PfoServer:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, REPLY_QUEUE)
             sock.setsockopt(zmq.RCVHWM, REQUEST_QUEUE)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+            # A frame that could never fit the request queue is refused as its header arrives.
+            sock.setsockopt(zmq.MAXMSGSIZE, min(MAX_REQUEST_BYTES, self._queue_limit))
             # A full or vanished client is an error to count, not a silent drop.
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             if self._curve is not None:
@@ -287,18 +405,25 @@ class PfoServer:
                 self._tg = tg
                 tg.start_soon(self._evict_loop)
                 while True:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        if not poll_in(sock):
-                            await anyio.wait_readable(fd)
-                        continue
-                    await self._handle([f.bytes for f in frames], _client_of(frames[-1]))
+                    # Take what libzmq holds before handling each request: a large request
+                    # waits in the byte-bounded queue, or is refused and freed, not kept in
+                    # libzmq. Other tasks run after each batch.
+                    self._drain(sock)
+                    for _ in range(_HANDLE_BATCH):
+                        if not self._queued_count:
+                            break
+                        await self._handle(self._next_request())  # (does not yield)
+                        self._drain(sock)
                     await anyio.lowlevel.checkpoint()
+                    if not self._queued_count and not poll_in(sock):
+                        await anyio.wait_readable(fd)
         finally:
             self._tg = None
             for job in self.jobs.values():
                 self._fail_parked(job, "shutdown", "the PFO server is stopping")
+            self._queue.clear()
+            self._queued_by.clear()
+            self._queued_bytes = self._queued_count = 0
             sock.close(linger=0)
             self._sock = None
             if self._auth is not None:
@@ -320,21 +445,120 @@ class PfoServer:
             self.replies_dropped += 1
             logger.debug("pfo-server: reply dropped: %s", exc)
 
-    async def _handle(self, parts: list[bytes], client: str = "") -> None:
-        self.requests_served += 1
+    # -- the request queue -------------------------------------------------------------------
+
+    def _drain(self, sock: zmq.Socket[Any]) -> None:
+        """Take the requests libzmq holds (up to :data:`QUEUED_REQUESTS` queued): each is
+        queued, or refused at once."""
+        for _ in range(_DRAIN_BATCH):
+            if self._queued_count >= QUEUED_REQUESTS or not cast(int, sock.get(_EVENTS)) & _POLLIN:
+                return  # (what poll_in reads, at half the cost: this runs for every request)
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._take(frames)
+
+    def _take(self, frames: list[zmq.Frame]) -> None:
         # [identity, b"", request_id, payload] (DEALER/REQ envelope)
-        if len(parts) != 4 or parts[1] != b"":
-            if parts:
-                bad: _Peer = (parts[0], parts[-2] if len(parts) >= 3 else b"")
-                self._send(bad, p.ErrorReply(code="bad_request", message="malformed envelope"))
+        if len(frames) != 4 or len(frames[1]) != 0:
+            self.requests_served += 1
+            bad: _Peer = (frames[0].bytes, frames[-2].bytes if len(frames) >= 3 else b"")
+            self._send(bad, p.ErrorReply(code="bad_request", message="malformed envelope"))
             return
-        peer: _Peer = (parts[0], parts[2])
+        client = peer_of(frames[3], self._transport, keys=self._auth is not None)
+        request = _Request(
+            peer=(frames[0].bytes, frames[2].bytes),
+            client=client,
+            payload=frames[3],
+            size=len(frames[0]) + len(frames[2]) + len(frames[3]),
+        )
+        if not self._make_queue_room(request):
+            self._refuse(request)
+            return
+        queue = self._queue.get(client)
+        if queue is None:
+            queue = self._queue[client] = deque()
+        queue.append(request)
+        self._queued_by[client] += request.size
+        self._queued_bytes += request.size
+        self._queued_count += 1
+        self.queued_bytes_peak = max(self.queued_bytes_peak, self._queued_bytes)
+
+    def _make_queue_room(self, request: _Request) -> bool:
+        """Whether ``request`` fits the queue, once the newest requests of the client holding
+        the most bytes are dropped while that client holds more than this one would."""
+        if request.size > self._queue_limit:
+            return False
+        while self._queued_bytes + request.size > self._queue_limit:
+            heavy = max(self._queue, key=self._queued_by.__getitem__)  # <= QUEUED_REQUESTS
+            if heavy == request.client or (
+                self._queued_by[heavy] <= self._queued_by[request.client] + request.size
+            ):
+                return False
+            self._refuse(self._unqueue(heavy, newest=True))
+        return True
+
+    def _next_request(self) -> _Request:
+        """The next request to handle: clients take turns, each's in arrival order."""
+        return self._unqueue(next(iter(self._queue)), newest=False)
+
+    def _unqueue(self, client: str, *, newest: bool) -> _Request:
+        queue = self._queue.pop(client)
+        request = queue.pop() if newest else queue.popleft()
+        if queue:
+            self._queue[client] = queue  # to the back of the turn
+            self._queued_by[client] -= request.size
+        else:
+            del self._queued_by[client]
+        self._queued_bytes -= request.size
+        self._queued_count -= 1
+        return request
+
+    def _refuse(self, request: _Request) -> None:
+        self.requests_refused += 1
+        limit = self.settings.max_queue_mib
+        logger.debug(
+            "request of %d bytes from %s refused: the request queue is full", request.size,
+            request.client,
+        )  # fmt: skip
+        self._send(
+            request.peer,
+            p.ErrorReply(
+                code="busy",
+                message=(
+                    f"the server's queue of requests waiting to be handled is full "
+                    f"({limit:g} MiB, max_queue_mib; this request is {request.size} bytes): "
+                    "try again shortly"
+                ),
+            ),
+        )
+
+    # -- requests ---------------------------------------------------------------------------
+
+    async def _handle(self, queued: _Request) -> None:
+        self.requests_served += 1
+        peer, client = queued.peer, queued.client
         try:
-            request = p.request_decoder.decode(parts[3])
+            if len(queued.payload) > _SKIM_FROM:
+                head = _head_decoder.decode(queued.payload.buffer)
+                if head.type in _JOB_REQUESTS:
+                    self._opened(head.job_id, head.token)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass  # the full decode says what is wrong
+        except _Failure as exc:
+            del queued.payload
+            logger.debug("reply error %s: %s", exc.code, exc)
+            self._send(peer, p.ErrorReply(code=exc.code, message=str(exc)))
+            return
+        try:
+            request = p.request_decoder.decode(queued.payload.buffer)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            logger.debug("bad request (%d bytes): %s", len(parts[3]), exc)
+            logger.debug("bad request (%d bytes): %s", len(queued.payload), exc)
             self._send(peer, p.ErrorReply(code="bad_request", message=str(exc)))
             return
+        finally:
+            del queued.payload  # the frame's memory goes back now, not when the loop next runs
         debug = logger.isEnabledFor(logging.DEBUG)
         if debug:
             logger.debug("request %s", _describe(request))
@@ -352,6 +576,14 @@ class PfoServer:
             logger.debug("parked until its schedule exists")
 
     def _job(self, job_id: str, token: str, *, failed_too: bool = False) -> _Job:
+        job = self._opened(job_id, token)
+        job.last_active = self._clock()
+        if job.state == "failed" and not failed_too:
+            raise _Failure("scheduler_error", f"job {job_id!r} failed: {job.error}")
+        return job
+
+    def _opened(self, job_id: str, token: str) -> _Job:
+        """The job ``token`` opens, else ``unknown_job``."""
         job = self.jobs.get(job_id)
         if job is None or not hmac.compare_digest(job.token.encode(), token.encode()):
             # One answer for both: a wrong token tells nothing about which job ids exist.
@@ -362,9 +594,6 @@ class PfoServer:
                 f"no job {job_id!r} that this token opens (never registered, evicted, ended, "
                 "or the token is another job's)",
             )
-        job.last_active = self._clock()
-        if job.state == "failed" and not failed_too:
-            raise _Failure("scheduler_error", f"job {job_id!r} failed: {job.error}")
         return job
 
     def _dispatch(self, request: p.Request, peer: _Peer, client: str = "") -> p.Reply | None:
@@ -429,20 +658,71 @@ class PfoServer:
     def _all_left(self, job: _Job) -> bool:
         return len(job.ranks) == job.info.world_size and job.left >= set(job.ranks)
 
-    def _register_job(self, info: JobInfo, client: str = "") -> p.Reply:
+    def _make_job_room(self, client: str) -> None:
+        """Make room for a job of ``client`` under the job limits, evicting an incomplete
+        registration older than ``registration_grace`` if need be (see the module docstring);
+        else refuse with ``busy``."""
         limits = self.settings
-        if len(self.jobs) >= limits.max_jobs:
-            raise _Failure("busy", f"the server holds its maximum of {limits.max_jobs} jobs")
+        grace = limits.registration_grace
         held = sum(1 for j in self.jobs.values() if j.owner == client)
         if held >= limits.max_jobs_per_client:
-            raise _Failure(
-                "busy",
-                f"{held} jobs are registered from this client ({client}), the most one client "
-                "may hold (max_jobs_per_client). A job ends when all its ranks close their "
-                f"optimizer, else after {limits.max_job_idle_time:g} s without a request "
-                "(max_job_idle_time); clients are told apart by their CURVE key when the "
-                "server checks keys, else by network address",
-            )
+            victim = self._stale_registrations().get(client)
+            if victim is None:
+                raise _Failure(
+                    "busy",
+                    f"{held} jobs are registered from this client ({client}), the most one "
+                    "client may hold (max_jobs_per_client), and none is a registration left "
+                    f"incomplete for {grace:g} s (registration_grace). A job ends when all its "
+                    f"ranks close their optimizer, else after {limits.max_job_idle_time:g} s "
+                    "without a request (max_job_idle_time); clients are told apart by their "
+                    "CURVE key when the server checks keys, by uid over ipc, else by address "
+                    "(all of loopback is one client, else an IPv4 /24 or an IPv6 /64)",
+                )
+            self._displace(victim, client)
+        elif len(self.jobs) >= limits.max_jobs:
+            stale = self._stale_registrations()
+            incomplete = Counter(j.owner for j in self.jobs.values() if _incomplete(j))
+            # The client holding the most incomplete registrations gives up its oldest stale
+            # one, if it holds more than the newcomer; else the newcomer gives up its own.
+            heavy = max(stale, key=lambda c: (incomplete[c], -stale[c].created), default=None)
+            if heavy is not None and incomplete[heavy] > incomplete[client]:
+                self._displace(stale[heavy], client)
+            elif client in stale:
+                self._displace(stale[client], client)
+            else:
+                raise _Failure(
+                    "busy",
+                    f"the server holds its maximum of {limits.max_jobs} jobs (max_jobs), and no "
+                    "client holding more incomplete registrations than this one has left one "
+                    f"incomplete for {grace:g} s (registration_grace)",
+                )
+
+    def _stale_registrations(self) -> dict[str, _Job]:
+        """Each client's oldest job whose ranks have not all registered within
+        ``registration_grace``."""
+        oldest_allowed = self._clock() - self.settings.registration_grace
+        stale: dict[str, _Job] = {}
+        for job in self.jobs.values():  # in registration order
+            if _incomplete(job) and job.created <= oldest_allowed:
+                stale.setdefault(job.owner, job)
+        return stale
+
+    def _displace(self, job: _Job, client: str) -> None:
+        self.registrations_displaced += 1
+        self._evict(
+            job,
+            f"job {job.info.job_id}: {len(job.ranks)} of its {job.info.world_size} ranks "
+            f"registered within {self._clock() - job.created:.3g} s, and the server's job limits "
+            f"were reached: its place went to a new job of {client}",
+        )
+
+    def _evict(self, job: _Job, reason: str) -> None:
+        self.jobs.pop(job.info.job_id, None)
+        job.scope.cancel()
+        self._fail_parked(job, "evicted", reason)
+        logger.info("evicted: %s", reason)
+
+    def _register_job(self, info: JobInfo, client: str = "") -> p.Reply:
         if info.job_id:
             raise _Failure("bad_request", "job_id must be empty when registering a job")
         meta = info.job_metadata or ""
@@ -452,6 +732,7 @@ class PfoServer:
                 f"job_metadata must be at most {_MAX_METADATA} printable characters without "
                 "slashes (it becomes part of the job id and of a folder name)",
             )
+        self._make_job_room(client)  # last: a request refused for its fields evicts nothing
         base = info.make_job_id(self.scheduler_cls.__name__, datetime.now())
         job_id, n = base, 1
         dump = Path(self.settings.dump_dir)
@@ -684,10 +965,7 @@ class PfoServer:
                 # A plan takes a while; one that outlives its ranks by max_job_idle_time goes.
                 reasons[jid] = f"job {jid} was idle for over {limit:g} s"
         for job_id, reason in reasons.items():
-            job = self.jobs.pop(job_id)
-            job.scope.cancel()
-            self._fail_parked(job, "evicted", reason)
-            logger.info("evicted: %s", reason)
+            self._evict(self.jobs[job_id], reason)
         return list(reasons)
 
     async def _evict_loop(self) -> None:

@@ -12,11 +12,17 @@ variable                       meaning                                          
 ``ZEUS_PFO_MAX_JOB_IDLE_TIME`` seconds without a request before a job is evicted       604800
 ``ZEUS_PFO_REGISTRATION_TIMEOUT`` seconds for all of a job's ranks to register, else     600
                                the job is evicted (never-used jobs do not linger)
+``ZEUS_PFO_REGISTRATION_GRACE`` seconds a job whose ranks have not all registered      5
+                               keeps its place when the job limits are reached; after
+                               that a new registration may take it (see the server)
 ``ZEUS_PFO_MAX_JOBS``          jobs the server holds at most (then ``busy``)           1000
-``ZEUS_PFO_MAX_JOBS_PER_CLIENT`` jobs one client holds at most (its CURVE key, else     64
-                               its network address); a job ends when its ranks close
+``ZEUS_PFO_MAX_JOBS_PER_CLIENT`` jobs one client holds at most (its CURVE key, its uid   64
+                               over ipc, else its address: loopback, IPv4 /24, IPv6
+                               /64); a job ends when its ranks close
 ``ZEUS_PFO_MAX_CLIENT_MIB``    memory one client's jobs may hold (ranks, results), MiB  256
 ``ZEUS_PFO_MAX_TOTAL_MIB``     memory all jobs may hold together, MiB                   2048
+``ZEUS_PFO_MAX_QUEUE_MIB``     requests received and not yet handled, MiB (past it:     64
+                               ``busy``)
 ``ZEUS_PFO_ADMIN_TOKEN``       a token whose ``info`` lists every job (empty: none)    ""
 ``ZEUS_PFO_CURVE_SECRET``      the server's CURVE secret certificate (encrypts TCP)    none
 ``ZEUS_PFO_CURVE_ALLOW``       directory of the client certificates allowed            none
@@ -70,10 +76,12 @@ class PfoSettings(msgspec.Struct, kw_only=True, frozen=True):
     dump_dir: str = "./dump"
     max_job_idle_time: float = 7 * 24 * 3600.0
     registration_timeout: float = 600.0
+    registration_grace: float = 5.0
     max_jobs: int = 1000
     max_jobs_per_client: int = 64
     max_client_mib: float = 256.0
     max_total_mib: float = 2048.0
+    max_queue_mib: float = 64.0
     admin_token: str = ""
     curve_secret: str | None = None
     curve_allow: str | None = None
@@ -85,11 +93,11 @@ class PfoSettings(msgspec.Struct, kw_only=True, frozen=True):
                 f"log_level must be one of {', '.join(_LEVELS)}, not {self.log_level!r}"
             )
         msgspec.structs.force_setattr(self, "log_level", level)
-        for name in ("max_job_idle_time", "registration_timeout"):
+        for name in ("max_job_idle_time", "registration_timeout", "registration_grace"):
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"{name} must be > 0 s, not {value!r}")
-        for name in ("max_client_mib", "max_total_mib"):
+        for name in ("max_client_mib", "max_total_mib", "max_queue_mib"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a number of MiB > 0, not {value!r}")
@@ -192,6 +200,12 @@ class PfoSettings(msgspec.Struct, kw_only=True, frozen=True):
         scheduler.validate_args(**self.scheduler_args)
 
 
+_FLOATS = (
+    "max_job_idle_time", "registration_timeout", "registration_grace", "max_client_mib",
+    "max_total_mib", "max_queue_mib",
+)  # fmt: skip
+
+
 def parse_setting(var: str, name: str, raw: str) -> Any:
     if name == "scheduler_args":
         try:
@@ -208,7 +222,7 @@ def parse_setting(var: str, name: str, raw: str) -> Any:
         if low in _FALSE:
             return False
         raise ConfigError(f"{var} must be true or false, not {raw!r}")
-    if name in ("max_job_idle_time", "registration_timeout", "max_client_mib", "max_total_mib"):
+    if name in _FLOATS:
         unit = "MiB" if name.endswith("_mib") else "seconds"
         try:
             return float(raw)
