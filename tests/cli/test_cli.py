@@ -19,7 +19,7 @@ def test_monitor_runs_on_the_simulator_and_prints_totals() -> None:
     proc = run_cli("monitor", "--backend", "sim", "--duration", "1.2", "--refresh", "0.5")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "backend sim, 4 device(s)" in out
+    assert "backend sim (SIMULATED GPUs), 4 device(s)" in out
     assert out.count("gpu:3") >= 3  # two table refreshes and the totals
     totals = out.split("Totals")[1]
     rows = [line.split() for line in totals.strip().splitlines()[1:]]
@@ -183,6 +183,16 @@ def test_ctrl_c_of_monitor_with_a_command_is_130_whoever_sees_it_first() -> None
         os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 130, (i, err)
+
+
+def test_monitor_falls_back_to_the_simulator_where_no_driver_is_and_says_so() -> None:
+    proc = run_cli("monitor", "--duration", "0.5", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "backend sim (SIMULATED GPUs: no NVIDIA driver on this machine), 4 device(s)"
+        in proc.stdout
+    )
+    assert proc.stderr == ""  # the banner says it: no warning line besides
 
 
 def test_proxy_aggregates_two_monitors_for_one_subscriber() -> None:

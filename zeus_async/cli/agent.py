@@ -9,8 +9,18 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
+import msgspec
+
 from ..errors import ZeusAsyncError
-from .common import EXIT_ERROR, EXIT_OK, CliError, describe_error, period, positive_float
+from .common import (
+    EXIT_ERROR,
+    EXIT_OK,
+    CliError,
+    describe_error,
+    period,
+    positive_float,
+    service_backend,
+)
 from .curve import add_server_curve_args, server_curve_from_args
 
 if TYPE_CHECKING:
@@ -77,6 +87,10 @@ def _agent(args: argparse.Namespace, out: TextIO) -> int:
             from ..store.outputs import claim_output
 
             claim_output(args.record, overwrite=args.force, what="recording", recording=True)
+        # Last: the options are checked first, whatever the machine.
+        cfg = msgspec.structs.replace(
+            cfg, backend=service_backend(args.backend, "zeus-async agent")
+        )
     except (ZeusAsyncError, CliError, OSError) as exc:
         sys.stderr.write(f"zeus-async agent: {describe_error(exc)}\n")
         return EXIT_ERROR

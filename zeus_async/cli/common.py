@@ -51,6 +51,29 @@ class CliError(Exception):
     """An error to report as one line on stderr."""
 
 
+def service_backend(backend: str, command: str) -> str:
+    """The backend a long-running service (``agent``, ``exporter``) samples: ``auto`` is NVML,
+    and on a machine with no NVIDIA driver an error asking for ``--backend sim`` — a service
+    must never serve simulated GPUs to a fleet without being told to (``monitor``, the demo,
+    falls back and says so in its banner).
+
+    Raises:
+        CliError: ``auto`` and no NVIDIA driver here.
+        DeviceError: ``auto`` and a driver that is installed but fails (typed).
+    """
+    from ..devices import auto_backend
+
+    if backend != "auto":
+        return backend
+    chosen = auto_backend()
+    if chosen == "sim":
+        raise CliError(
+            f"no NVIDIA driver on this machine; {command} serves real GPUs only unless told "
+            "otherwise: run it with --backend sim to serve simulated ones"
+        )
+    return chosen
+
+
 # -- argument helpers ---------------------------------------------------------------------------
 
 

@@ -268,6 +268,15 @@ def _keys_for_quit(out: TextIO) -> bool:
         return False
 
 
+def _demo_backend(backend: str) -> str:
+    """``monitor``'s backend: ``auto`` falls back to the simulator where no NVIDIA driver is
+    installed, as the library does, but says so in the banner instead of a log line (a driver
+    that fails is its typed error, as everywhere)."""
+    from ..devices import auto_backend
+
+    return auto_backend() if backend == "auto" else backend
+
+
 async def _watch_child(child: subprocess.Popen[bytes], exited: anyio.Event) -> None:
     await anyio.to_thread.run_sync(child.wait, abandon_on_cancel=True)
     exited.set()
@@ -310,7 +319,7 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
     code = EXIT_OK
     try:
         runtime = Runtime(
-            backend=args.backend,
+            backend=_demo_backend(args.backend),
             gpus=args.gpus,
             cpus="auto" if args.cpus == "auto" else None,
             period_s=args.period,
@@ -341,8 +350,12 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
                 where += f", pushing to {args.otlp}"
             if child is not None:
                 where += f", running {' '.join(command)} (pid {child.pid})"
+            backend = rt.backend
+            if backend == "sim":
+                why = ": no NVIDIA driver on this machine" if args.backend == "auto" else ""
+                backend = f"sim (SIMULATED GPUs{why})"
             title = (
-                f"backend {rt.backend}, {len(rt.devices)} device(s), "
+                f"backend {backend}, {len(rt.devices)} device(s), "
                 f"period {args.period * 1e3:g} ms{where}"
             )
             out.write(f"zeus-async monitor: {title}. Ctrl-C to stop.\n")

@@ -21,6 +21,7 @@ from .common import (
     exit_status,
     int_list,
     positive_float,
+    service_backend,
     sim_config,
     until_stopped,
     wait_for_publisher,
@@ -379,7 +380,7 @@ async def _exporter(args: argparse.Namespace, out: TextIO) -> int:
     try:
         tracking = tracking_from_args(args, child.pid if child else None)
         async with Runtime(
-            backend=args.backend,
+            backend=service_backend(args.backend, "zeus-async exporter"),
             gpus=args.gpus,
             cpus="auto" if args.cpus == "auto" else None,
             period_s=args.period,
