@@ -212,6 +212,16 @@ KINDS: dict[str, tuple[Setup, float, Callable[[subprocess.Popen[str], int], floa
 }
 
 
+def _dump_hung(*pids: int) -> None:
+    """A job that did not stop: its stacks (py-spy, when installed) on stderr, to debug."""
+    import shutil
+
+    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    for pid in pids:
+        print(f"--- process {pid} did not stop; its stacks:", file=sys.stderr, flush=True)
+        subprocess.run([spy, "dump", "--pid", str(pid)], check=False, timeout=60)
+
+
 def trial(
     setup: Setup, wait_s: float, stop: Callable[[subprocess.Popen[str], int], float | None]
 ) -> tuple[bool, bool, float]:
@@ -224,7 +234,11 @@ def trial(
             t0 = time.monotonic()
             t0 = stop(proc, agent_pid) or t0  # a stop that waits first says when it stopped
             if stop is not _kill_job_unreaped and stop is not _kill_agent:
-                proc.wait(timeout=30)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    _dump_hung(proc.pid, agent_pid)
+                    return False, False, float("nan")
             limits, clocks = _wait()
             took = time.monotonic() - t0
             if stop is _kill_job_unreaped:
@@ -455,6 +469,9 @@ def bench_restore(trials: int, only: str | None) -> None:
 
 
 def main() -> None:
+    # Started in the background by a shell (`... &`), this process ignores SIGINT, and its
+    # children would inherit that: the Ctrl-C rows would measure jobs that cannot be stopped.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -34,8 +34,10 @@ import functools
 import io
 import logging
 import os
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -229,10 +231,30 @@ def _rank_gpus(info: RankInfo) -> list[int] | None:
     GPU) outside a job of several ranks."""
     if not info.distributed and info.launcher != "LOCAL_RANK":
         return None
+    return _local_gpus(info.local_rank)
+
+
+def _local_gpus(local_rank: int) -> list[int]:
+    """The GPU of the rank ``local_rank`` of its node: the only visible one, else its own."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and len([v for v in visible.split(",") if v.strip()]) == 1:
         return [0]
-    return [info.local_rank]
+    return [local_rank]
+
+
+#: Every monitor of this process (a fork's child rebuilds them; see ``Monitor._forked``).
+_MONITORS: weakref.WeakSet[Monitor] = weakref.WeakSet()
+#: The samplers of the parent that a forked child holds on to and never touches.
+_INHERITED: list[tuple[object, ...]] = []
+
+
+def _after_fork() -> None:
+    for monitor in list(_MONITORS):
+        monitor._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 class WindowContext:
@@ -265,7 +287,9 @@ class Monitor(ClosedOnExit):
     Args:
         gpu_indices: GPUs to measure (indices after ``CUDA_VISIBLE_DEVICES``); ``None`` = all,
             or, on a rank of a distributed job (:mod:`zeus_async.ranks`), the rank's own: the
-            only visible GPU, else its local rank's.
+            only visible GPU, else its local rank's. Made before a launcher set the rank
+            (Lightning's ``ddp`` and ``ddp_spawn``, accelerate's notebook launcher), all until
+            the rank is known, then the rank's (:meth:`resolve_gpus`).
         cpu_indices: RAPL packages; ``None`` = all that are readable, ``[]`` = none.
         backend: ``auto`` (NVML if a driver is present, else the simulator), ``nvml``, ``sim``.
         sample_period: Sampling period in seconds.
@@ -320,7 +344,9 @@ class Monitor(ClosedOnExit):
             apply.
 
     The monitor starts at construction and stops at :meth:`close`, at exit of a ``with``
-    block, or at interpreter exit.
+    block, or at interpreter exit. It pickles as its arguments: the process that unpickles it
+    (a rank ``ddp_spawn`` starts) samples with a monitor of its own from its first use, and a
+    child made by ``fork`` likewise; neither closes or changes this process's sampler.
     """
 
     def __init__(
@@ -355,26 +381,45 @@ class Monitor(ClosedOnExit):
             )
         if sampler not in ("process", "thread"):
             raise ConfigError(f"sampler must be 'process' or 'thread', not {sampler!r}")
-        self._sync = sync_execution_with
-        #: This process's rank in its job (from the launcher's environment, ``zeus_async.ranks``).
-        self.rank: RankInfo = rank_info()
-        if record is not None:
-            record = rank_path(record, self.rank)
-        if log_file is not None:
-            log_file = rank_path(log_file, self.rank)
-        requested = None if gpu_indices is None else [int(i) for i in gpu_indices]
-        if gpu_indices is None:
-            gpu_indices = _rank_gpus(self.rank)
-        run_meta = {**self.rank.as_meta(), **(meta or {})}
         self.model_complexity: ModelComplexity | None = None
+        meta = dict(meta or {})
         if model is not None:
             if input_size is None:
                 raise ConfigError("model complexity needs input_size (batch dimension first)")
             self.model_complexity = model_complexity(model, input_size)
-            run_meta.update(self.model_complexity.as_meta())
-        tracking = ProcessTracking() if processes is True else (processes or None)
-        # Windows need power and energy only; other fields cost reads (pass ``fields`` for more).
-        runtime_options.setdefault("fields", {"power_w": None, "energy_j": None})
+            meta.update(self.model_complexity.as_meta())
+        # What the monitor was made with (the model measured once, as metadata): what a
+        # resolution rebuilds it from, and what a pickled monitor carries to another process.
+        self._args: dict[str, Any] = dict(
+            gpu_indices=None if gpu_indices is None else [int(i) for i in gpu_indices],
+            cpu_indices=None if cpu_indices is None else [int(i) for i in cpu_indices],
+            backend=backend,
+            sample_period=sample_period,
+            publish=publish,
+            sync_execution_with=sync_execution_with,
+            log_file=log_file,
+            finalize_timeout_s=finalize_timeout_s,
+            sampler=sampler,
+            record=record,
+            overwrite=overwrite,
+            processes=processes,
+            meta=meta,
+            prometheus_port=prometheus_port,
+            prometheus_addr=prometheus_addr,
+            prometheus_names=prometheus_names,
+            otlp=otlp,
+            otlp_interval_s=otlp_interval_s,
+            agent=agent,
+            runtime_options=runtime_options,
+        )
+        self._fresh()
+        self._build(None)
+        _MONITORS.add(self)
+        call_at_exit(self.close)
+
+    def _fresh(self) -> None:
+        """The state of a monitor with nothing open and no sampler yet."""
+        self._sync = self._args["sync_execution_with"]
         self._open: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()
         self._stack: list[str] = []
@@ -385,7 +430,55 @@ class Monitor(ClosedOnExit):
         self._process: SamplerProcess | None = None
         self._embedded: EmbeddedRuntime | None = None
         self._tracker: WindowTracker | None = None
-        if sampler == "process":
+        self._gpu_indices: list[int] = []
+        self._cpu_indices: list[int] = []
+        self._prometheus_port: int | None = None
+        #: This process's rank in its job (from the launcher's environment, ``zeus_async.ranks``).
+        self.rank: RankInfo = RankInfo()
+        # Not built yet (a monitor unpickled, or inherited through fork, builds where it is
+        # used), waiting for the launcher, or a resolution waiting for windows to close: each
+        # of them sets _attention, the one flag a window edge looks at.
+        self._built = False
+        self._pending = False
+        self._final = False
+        self._want: list[int] | None = None
+        self._attention = True
+        self._environ_size = -1
+        self._pid = os.getpid()
+
+    def _build(self, target: list[int] | None) -> None:
+        """Start sampling: the GPUs asked for, else ``target`` (a resolution's), else this
+        rank's (:func:`_rank_gpus`), else every GPU, waiting for a launcher."""
+        args = self._args
+        backend: str = args["backend"]
+        sample_period: float = args["sample_period"]
+        publish: str | None = args["publish"]
+        finalize_timeout_s: float = args["finalize_timeout_s"]
+        overwrite: bool = args["overwrite"]
+        prometheus_port: int | None = args["prometheus_port"]
+        otlp: str | None = args["otlp"]
+        cpu_indices: list[int] | None = args["cpu_indices"]
+        runtime_options = dict(args["runtime_options"])
+        requested: list[int] | None = args["gpu_indices"]
+        self.rank = rank_info()
+        record = args["record"]
+        if record is not None:
+            record = rank_path(record, self.rank)
+        log_file = args["log_file"]
+        if log_file is not None:
+            log_file = rank_path(log_file, self.rank)
+        gpu_indices = requested if requested is not None else target
+        if gpu_indices is None:
+            gpu_indices = _rank_gpus(self.rank)
+        # Every GPU for now: a launcher may still say which rank this is (Lightning's ddp, in
+        # trainer.fit()), unless one already said (a job of one rank) or there is one GPU.
+        pending = gpu_indices is None and not self.rank.launcher
+        run_meta = {**self.rank.as_meta(), **args["meta"]}
+        processes = args["processes"]
+        tracking = ProcessTracking() if processes is True else (processes or None)
+        # Windows need power and energy only; other fields cost reads (pass ``fields`` for more).
+        runtime_options.setdefault("fields", {"power_w": None, "energy_j": None})
+        if args["sampler"] == "process":
             unknown = set(runtime_options) - {"fields", "sim_config", "adaptive_reads"}
             if unknown:
                 raise ConfigError(
@@ -415,12 +508,12 @@ class Monitor(ClosedOnExit):
                 or bool(set(runtime_options) - {"fields"})
                 or runtime_options["fields"] != {"power_w": None, "energy_j": None}
             )
-            attach = _agent_endpoint(agent, private_only=bool(private_only))
+            attach = _agent_endpoint(args["agent"], private_only=bool(private_only))
             self._process = SamplerProcess(
                 attach=attach,
                 backend=backend,
                 gpus=gpu_indices,
-                cpus=None if cpu_indices is None else list(cpu_indices),
+                cpus=cpu_indices,
                 period_s=sample_period,
                 publish=publish,
                 log_file=log_file,
@@ -430,17 +523,16 @@ class Monitor(ClosedOnExit):
                 processes=tracking,
                 meta=run_meta,
                 prometheus_port=prometheus_port,
-                prometheus_addr=prometheus_addr,
-                prometheus_names=prometheus_names,
+                prometheus_addr=args["prometheus_addr"],
+                prometheus_names=args["prometheus_names"],
                 otlp=otlp,
-                otlp_interval_s=otlp_interval_s,
+                otlp_interval_s=args["otlp_interval_s"],
                 **runtime_options,
             )
-            #: Port of the Prometheus endpoint (``None`` without one).
-            self.prometheus_port: int | None = self._process.prometheus_port
+            self._prometheus_port = self._process.prometheus_port
             # Attached: the agent checked and kept the GPUs asked for.
-            self.gpu_indices: list[int] = list(self._process.gpu_indices)
-            self.cpu_indices: list[int] = list(self._process.cpu_indices)
+            self._gpu_indices = list(self._process.gpu_indices)
+            self._cpu_indices = list(self._process.cpu_indices)
         else:
             consumers = list(runtime_options.pop("consumers", ()))
             if log_file is not None:
@@ -449,7 +541,7 @@ class Monitor(ClosedOnExit):
             self._embedded = EmbeddedRuntime(
                 backend=backend,
                 gpus=gpu_indices,
-                cpus="auto" if cpu_indices is None else list(cpu_indices),
+                cpus="auto" if cpu_indices is None else cpu_indices,
                 period_s=sample_period,
                 publish=publish,
                 windows=True,
@@ -460,23 +552,230 @@ class Monitor(ClosedOnExit):
                 processes=tracking,
                 meta=run_meta,
                 prometheus_port=prometheus_port,
-                prometheus_addr=prometheus_addr,
-                prometheus_names=prometheus_names,
+                prometheus_addr=args["prometheus_addr"],
+                prometheus_names=args["prometheus_names"],
                 otlp=otlp,
-                otlp_interval_s=otlp_interval_s,
+                otlp_interval_s=args["otlp_interval_s"],
                 **runtime_options,
             )
             self._embedded.start()
             runtime = self._embedded.runtime
             assert runtime is not None and runtime.tracker is not None
             self._tracker = runtime.tracker
-            self.prometheus_port = runtime.prometheus_port
-            self.gpu_indices = sorted(self._tracker.gpu_indices)
-            self.cpu_indices = sorted(self._tracker.cpu_packages)
-        if requested is not None and sorted(set(requested)) == sorted(self.gpu_indices):
+            self._prometheus_port = runtime.prometheus_port
+            self._gpu_indices = sorted(self._tracker.gpu_indices)
+            self._cpu_indices = sorted(self._tracker.cpu_packages)
+        if requested is not None and sorted(set(requested)) == sorted(self._gpu_indices):
             # In the caller's order, as Zeus keeps it: pop_window()'s energies follow it.
-            self.gpu_indices = list(dict.fromkeys(requested))
+            self._gpu_indices = list(dict.fromkeys(requested))
+        self._built = True
+        self._pid = os.getpid()
+        self._pending = pending and len(self._gpu_indices) > 1
+        self._final = self._final or requested is not None
+        self._attention = self._pending or self._want is not None
+
+    # -- which GPUs -----------------------------------------------------------------------------
+
+    @property
+    def gpu_indices(self) -> list[int]:
+        """The GPUs measured (indices after ``CUDA_VISIBLE_DEVICES``), in the caller's order
+        when given; every GPU while :attr:`gpus_resolved` is false."""
+        if not self._built:
+            self._ensure_built()
+        return self._gpu_indices
+
+    @property
+    def cpu_indices(self) -> list[int]:
+        """The RAPL packages measured."""
+        if not self._built:
+            self._ensure_built()
+        return self._cpu_indices
+
+    @property
+    def prometheus_port(self) -> int | None:
+        """Port of the Prometheus endpoint (``None`` without one)."""
+        if not self._built:
+            self._ensure_built()
+        return self._prometheus_port
+
+    @property
+    def gpus_resolved(self) -> bool:
+        """Whether the monitor knows its GPUs: false for one made, without ``gpu_indices``,
+        before a launcher said which rank this process is (it measures every GPU meanwhile,
+        see :meth:`resolve_gpus`), and while a resolution waits for windows to end."""
+        if not self._built:
+            self._ensure_built()
+        return not self._pending and self._want is None
+
+    def resolve_gpus(
+        self,
+        gpus: Sequence[int] | None = None,
+        *,
+        local_rank: int | None = None,
+        final: bool = False,
+    ) -> bool:
+        """Measure this rank's GPU(s) from now on, now that the launcher has said which rank
+        this process is; returns :attr:`gpus_resolved`.
+
+        A monitor made without ``gpu_indices`` before any launcher variable was set measures
+        every GPU: Lightning's ``ddp`` launcher runs rank 0 as the script's own process and
+        sets ``LOCAL_RANK`` only inside ``trainer.fit()``; ``ddp_spawn`` and accelerate's
+        notebook launcher start the ranks after the script made its monitor. Such a monitor
+        looks for the rank when a window opens with none open, and here: ``gpus`` (a
+        framework's device for this rank, Lightning's ``trainer.strategy.root_device``), else
+        ``local_rank`` (its GPU, or the only visible one), else the launcher's variables
+        (:mod:`zeus_async.ranks`), else ``torch.distributed``'s group (global rank modulo the
+        GPUs). Resolving restarts sampling on those GPUs, as if the monitor had been made
+        then; windows still open keep it waiting until none is (they were opened on every
+        GPU). ``gpus`` or ``local_rank`` also correct a rank's GPU inferred from
+        ``LOCAL_RANK`` when the framework knows better (``devices=[2, 3]``).
+
+        ``final=True`` (the power-limit optimizer's first step): the GPUs are final from now
+        on, every GPU when nothing said otherwise; later calls change nothing. A monitor made
+        with ``gpu_indices`` is final from the start. Not while a resolution waits for windows
+        to end (``False`` is returned then): no GPU is fixed before it is the rank's.
+        """
+        if gpus is None and local_rank is not None:
+            gpus = _local_gpus(local_rank)
+        target = None if gpus is None else [int(i) for i in gpus]
+        if not self._built:
+            if self._closed:
+                return False
+            if target is not None and not self._final:
+                self._want = target
+            self._ensure_built()
+        if self._closed or self._final:
+            asked = self._args["gpu_indices"] is not None
+            if target is not None and sorted(target) != sorted(self._gpu_indices) and not asked:
+                logger.warning(
+                    "this monitor keeps measuring GPU(s) %s, not %s: its GPUs were fixed already",
+                    self._gpu_indices,
+                    target,
+                )
+            return self.gpus_resolved
+        if target is None and self._pending:
+            target = self._launcher_gpus()
+        if target is not None and (self._pending or target != self._gpu_indices):
+            self._want = target
+            self._attention = True
+            self._attend()
+        if final and self._want is None:  # nothing waits for windows to end: fixed now
+            self._final = True
+            self._pending = False
+            self._attention = False
+        return self.gpus_resolved
+
+    def _launcher_gpus(self, *, every_time: bool = True) -> list[int] | None:
+        """This rank's GPUs once something says which rank this is, else ``None``.
+
+        A window edge asks while the monitor waits, so that must be cheap: without
+        ``every_time`` the environment is read only when its size changed (a launcher adds
+        its variables: ``LOCAL_RANK``, ``WORLD_SIZE``, ...; a missing key costs an exception
+        in ``os.environ``, ~1 us), and the process group is a look-up and a call.
+        """
+        environ = os.environ
+        size = len(environ)
+        if (every_time or size != self._environ_size) and (
+            "LOCAL_RANK" in environ or "RANK" in environ
+        ):
+            info = rank_info()
+            gpus = _rank_gpus(info)
+            if gpus is not None:
+                return gpus
+            if info.launcher:  # a job of one rank: every GPU, as for any single process
+                return list(self._gpu_indices)
+        self._environ_size = size
+        dist: Any = sys.modules.get("torch.distributed")
+        initialized = getattr(dist, "is_initialized", None)  # absent: no distributed build
+        if initialized is not None and initialized():
+            size = int(dist.get_world_size())
+            if size > 1:
+                return _local_gpus(int(dist.get_rank()) % max(len(self._gpu_indices), 1))
+        return None
+
+    def _ensure_built(self) -> None:
+        """Build the sampler of a monitor that has none (unpickled, or inherited by fork)."""
+        with self._lock:
+            if self._built or self._closed:
+                return
+            want, self._want = self._want, None
+            self._build(want)
+
+    def _attend(self) -> None:
+        """Whatever a window edge must do first: build, resolve (a no-op while waiting)."""
+        if not self._built:
+            self._ensure_built()
+        if self._want is None:
+            if not self._pending:
+                self._attention = False
+                return
+            if self._open:
+                return  # opened on every GPU: nothing changes until they end
+            target = self._launcher_gpus(every_time=False)
+            if target is None:
+                return
+            self._want = target
+        with self._lock:
+            if self._open or self._want is None:
+                return  # the windows open were opened on every GPU: after they end
+            target, self._want = self._want, None
+            if target != self._gpu_indices:
+                self._restart(target)
+            self._pending = False
+            self._attention = False
+
+    def _restart(self, target: list[int]) -> None:
+        """Sample ``target`` from now on: the old sampler stops, a new one starts as this
+        monitor would have started with the rank known (its node agent, its paths)."""
+        old = self._gpu_indices
+        process, embedded = self._process, self._embedded
+        self._process = self._embedded = self._tracker = None
+        if process is not None:
+            process.stop()
+        if embedded is not None:
+            embedded.stop()
+        try:
+            self._build(target)
+        except BaseException:
+            self._closed = True  # nothing samples any more: every later call says so
+            raise
+        logger.info(
+            "rank %d: measuring GPU(s) %s, not %s (the launcher said the rank after this "
+            "monitor was made)",
+            self.rank.rank,
+            self._gpu_indices,
+            old,
+        )
+
+    # -- pickling and fork ----------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What another process needs to make its own monitor: the constructor's arguments.
+        (A spawned rank unpickles the callbacks holding this monitor: it samples there, on
+        that rank's GPUs, from its first use, and this process's monitor is left alone.)"""
+        return {"args": self._args, "model_complexity": self.model_complexity}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._args = state["args"]
+        self.model_complexity = state["model_complexity"]
+        self._fresh()
+        _MONITORS.add(self)
         call_at_exit(self.close)
+
+    def _forked(self) -> None:
+        """In a child made by ``fork``: the parent's sampler is the parent's (its threads did
+        not come along, and stopping it would stop the parent's); build a new one here."""
+        inherited = (self._process, self._embedded, self._tracker)
+        args, complexity, hooks, closed = (
+            self._args,
+            self.model_complexity,
+            self._close_hooks,
+            self._closed,
+        )
+        self._fresh()
+        self._args, self.model_complexity = args, complexity
+        self._close_hooks, self._closed = hooks, closed
+        _INHERITED.append(inherited)  # never used, never stopped, never collected here
 
     # -- windows --------------------------------------------------------------------------------
 
@@ -498,9 +797,9 @@ class Monitor(ClosedOnExit):
         """
         if not isinstance(key, str):
             raise TypeError(f"window key must be a str, not {type(key).__name__} ({key!r})")
-        self._check_open()
+        self._check_open(attend=True)
         if sync_execution and self._sync == "torch":
-            _torch_sync(self.gpu_indices)
+            _torch_sync(self._gpu_indices)
         t_ns = time.time_ns()
         with self._lock:
             if key in self._open and not restart:
@@ -541,7 +840,7 @@ class Monitor(ClosedOnExit):
         """
         self._check_open()
         if sync_execution and self._sync == "torch":
-            _torch_sync(self.gpu_indices)
+            _torch_sync(self._gpu_indices)
         t_ns = time.time_ns()
         with self._lock:
             start_ns, window_id = pop_open_window(self._open, key)
@@ -617,9 +916,12 @@ class Monitor(ClosedOnExit):
     @property
     def gpu_devices(self) -> list[DeviceInfo]:
         """Descriptions of the monitored GPUs (model, architecture, power-limit range, ...)."""
+        if not self._built:
+            self._ensure_built()
         if self._process is not None:
             return list(self._process.devices)
-        assert self._embedded is not None and self._embedded.runtime is not None
+        if self._embedded is None or self._embedded.runtime is None:
+            return []  # closed before it was ever built (unpickled, never used)
         return [d.describe() for d in self._embedded.runtime.devices if d.key.startswith("gpu:")]
 
     def set_power_limit(
@@ -632,7 +934,7 @@ class Monitor(ClosedOnExit):
         measurements from then on. Returns a future: ``.result()`` waits for it and raises
         ``NoPermissionError`` / ``ConfigError`` on failure.
         """
-        self._check_open()
+        self._check_open(attend=True)
         gpus = self.gpu_indices if gpus is None else gpus
         if self._process is not None:
             return self._process.control("set_power_limit", watts=watts, gpus=gpus, source=source)
@@ -651,7 +953,7 @@ class Monitor(ClosedOnExit):
         published as a ``ClockChange`` event; the future fails with ``NoPermissionError`` /
         ``ConfigError``.
         """
-        self._check_open()
+        self._check_open(attend=True)
         gpus = self.gpu_indices if gpus is None else gpus
         if self._process is not None:
             return self._process.control("set_sm_clocks", mhz=mhz, gpus=gpus, source=source)
@@ -698,9 +1000,16 @@ class Monitor(ClosedOnExit):
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
+    def _check_open(self, attend: bool = False) -> None:
+        """Raise when closed; build a sampler not yet built (an unpickled or forked monitor);
+        with ``attend`` (a window opening, a setting changing), also take the rank's GPUs if a
+        launcher said it since (see :meth:`resolve_gpus`)."""
         if self._closed:
             raise RuntimeError("this Monitor is closed")
+        if attend and self._attention:
+            self._attend()
+        elif not self._built:
+            self._ensure_built()
 
     def close(self) -> None:
         """Stop sampling. Windows already closed first get their exact figures (waiting at most
@@ -715,6 +1024,8 @@ class Monitor(ClosedOnExit):
             except Exception:
                 logger.exception("closing %r before the monitor failed", hook)
         self._closed = True
+        if os.getpid() != self._pid:
+            return  # the sampler is the parent's (fork): it closes its own
         if self._process is not None:
             self._process.stop()
         if self._embedded is not None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib
 import os
+import pickle
 import subprocess
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,6 +33,7 @@ class Recorder:
         self.args = args
         self.kwargs = kwargs
         self.calls: list[str] = []
+        self.lock = threading.Lock()  # as the optimizer: it does not pickle
         Recorder.instances.append(self)
 
     def on_step_begin(self) -> None:
@@ -41,6 +44,30 @@ class Recorder:
 
     def close(self) -> None:
         self.calls.append("close")
+
+    def start(self) -> None:
+        self.calls.append("start")
+
+
+class ResolvingMonitor:
+    """A monitor stand-in recording what the callbacks say this rank's GPU is."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple[Any, Any]] = []
+
+    def resolve_gpus(self, gpus: Any = None, *, local_rank: Any = None) -> bool:
+        self.told.append((gpus, local_rank))
+        return True
+
+
+def _trainer(world_size: int, device: Any, local_rank: int = 1) -> Any:
+    """What the callbacks read of a Lightning ``Trainer``."""
+    strategy = types.SimpleNamespace(root_device=device)
+    return types.SimpleNamespace(world_size=world_size, local_rank=local_rank, strategy=strategy)
+
+
+CUDA_3 = types.SimpleNamespace(type="cuda", index=3)
+CPU = types.SimpleNamespace(type="cpu", index=None)
 
 
 class FakeTrainerCallback:
@@ -225,6 +252,62 @@ def test_a_broken_framework_counts_as_missing(
     with pytest.raises(ImportError, match="needs lightning") as info:
         module.LightningPowerLimitOptimizer("monitor")
     assert isinstance(info.value.__cause__, ImportError)
+
+
+def test_a_ranks_gpu_is_its_frameworks_device_else_its_local_rank() -> None:
+    # Lightning: devices=[2, 3] puts local rank 1 on cuda:3; on the CPU accelerator (tests,
+    # or a GPU job's stand-in) the local rank is the GPU, as LOCAL_RANK is under torchrun.
+    assert integrations.lightning_rank(_trainer(2, CUDA_3)) == ([3], None)
+    assert integrations.lightning_rank(_trainer(2, CPU)) == (None, 1)
+    assert integrations.lightning_rank(_trainer(2, None)) == (None, 1)
+    # A single process keeps every GPU, as a Monitor() outside a job does.
+    assert integrations.lightning_rank(_trainer(1, CUDA_3)) == (None, None)
+    args = types.SimpleNamespace(world_size=2, device=CUDA_3, local_process_index=1)
+    assert integrations.hf_rank(args) == ([3], None)
+    args = types.SimpleNamespace(world_size=4, device=CPU, local_process_index=2, local_rank=-1)
+    assert integrations.hf_rank(args) == (None, 2)
+    assert integrations.hf_rank(types.SimpleNamespace(world_size=1, device=CUDA_3)) == (None, None)
+
+
+def test_setup_tells_the_monitor_the_ranks_gpu_then_starts_the_optimizer(
+    monkeypatch: pytest.MonkeyPatch, reload: Callable[[], types.ModuleType]
+) -> None:
+    _fake_transformers(monkeypatch)
+    _without(monkeypatch, LIGHTNING_MODULES)
+    monkeypatch.setitem(sys.modules, "lightning", _module("lightning"))
+    monkeypatch.setitem(
+        sys.modules,
+        "lightning.pytorch",
+        _module("lightning.pytorch", Callback=FakeLightningCallback),
+    )
+    module = reload()
+    monitor = ResolvingMonitor()
+    cb = module.LightningPowerLimitOptimizer(monitor)
+    cb.setup(_trainer(2, CUDA_3), object(), "validate")  # no training: nothing to start
+    cb.setup(_trainer(2, CUDA_3), object(), "fit")
+    assert monitor.told == [([3], None)]
+    assert cb.optimizer.calls == ["start"]
+    hf_cb = module.HFGlobalPowerLimitOptimizer(monitor)
+    hf_cb.on_train_begin(types.SimpleNamespace(world_size=2, device=CPU, local_rank=1), None, None)
+    assert monitor.told[-1] == (None, 1)
+    assert hf_cb.optimizer.calls == ["start"]
+
+
+def test_callbacks_pickle_as_their_optimizers_arguments(
+    monkeypatch: pytest.MonkeyPatch, reload: Callable[[], types.ModuleType]
+) -> None:
+    # ddp_spawn pickles the trainer's callbacks to the ranks: the optimizer (locks, signal
+    # handlers, this process's GPU settings) stays here; a rank makes its own at first use.
+    _fake_transformers(monkeypatch)
+    module = reload()
+    cb = module.HFGlobalPowerLimitOptimizer("monitor", warmup_steps=2)
+    here = cb.optimizer
+    copy = pickle.loads(pickle.dumps(cb))
+    assert Recorder.instances == [here]  # unpickling made none
+    there = copy.optimizer
+    assert there is not here and there.kwargs == {"monitor": "monitor", "warmup_steps": 2}
+    assert copy.optimizer is there
+    assert cb.optimizer is here
 
 
 def test_module_is_restored_after_the_fakes() -> None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..ranks import collectives
 
@@ -27,6 +28,11 @@ class EnergyLog:
             collective, so every rank must log at the same steps, as the frameworks do);
             ``False``: this rank's.
         prefix: Put before every metric name.
+
+    A monitor made before the launcher said which rank this is (Lightning's ``ddp``) measures
+    every GPU until :meth:`resolve` (the callbacks' setup) or the first interval gives it this
+    rank's. An ``EnergyLog`` pickles as its arguments (a ``ddp_spawn`` rank unpickles its
+    callbacks): the copy starts afresh, with a monitor of its own process.
     """
 
     def __init__(
@@ -41,13 +47,35 @@ class EnergyLog:
         self._pending: list[WindowResult] = []
         self._time_s = 0.0
         self._window = f"zeus-async/log-interval-{id(self):x}"
+        self._rank: tuple[list[int] | None, int | None] = (None, None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "monitor": None if self._owns else self.monitor,
+            "job": self.job,
+            "prefix": self.prefix,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["monitor"], job=state["job"], prefix=state["prefix"])  # type: ignore[misc]
+
+    def resolve(self, gpus: Sequence[int] | None = None, local_rank: int | None = None) -> None:
+        """The launcher has started the ranks: this rank's GPU (its framework's device, else
+        its local rank; see :meth:`Monitor.resolve_gpus <zeus_async.Monitor.resolve_gpus>`),
+        for the monitor given or the one :meth:`start` makes."""
+        self._rank = (None if gpus is None else list(gpus), local_rank)
+        if self.monitor is not None:
+            self.monitor.resolve_gpus(gpus, local_rank=local_rank)
 
     def start(self) -> None:
         """Training starts: open the first interval."""
         if self.monitor is None:
             from ..monitor import Monitor
 
-            self.monitor = Monitor()
+            gpus, local_rank = self._rank
+            self.monitor = Monitor(gpu_indices=gpus)
+            if local_rank is not None:
+                self.monitor.resolve_gpus(local_rank=local_rank)
         self.monitor.begin_window(self._window, sync_execution=False, restart=True)
         self._open = True
 

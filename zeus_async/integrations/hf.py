@@ -49,8 +49,10 @@ class EnergyCallback(EnergyCallbackBase, _Base):  # type: ignore[misc,valid-type
     _missing_error = _base_error
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Training starts: the first interval opens."""
+        """Training starts: the first interval opens, on this rank's GPU."""
         self._go_first(sys._getframe(1))
+        gpus, local_rank = integrations.hf_rank(args)
+        self.energy.resolve(gpus, local_rank)
         self.energy.start()
 
     def _go_first(self, caller: Any) -> None:

@@ -36,6 +36,10 @@ class EnergyCallback(EnergyCallbackBase, _Base):  # type: ignore[misc,valid-type
     ``train_gpu_energy_j`` and ``train_gpu_power_w`` go to the trainer's loggers and into
     ``trainer.callback_metrics``.
 
+    A monitor made before Lightning's launcher started the ranks (``Monitor()`` at the top of
+    a ``ddp`` script) is given this rank's GPU in ``setup``; under ``ddp_spawn`` the callback
+    is pickled to the ranks, each measuring with a monitor of its own.
+
     Args:
         monitor, job, prefix: As :class:`~zeus_async.integrations.EnergyLog`.
 
@@ -45,6 +49,12 @@ class EnergyCallback(EnergyCallbackBase, _Base):  # type: ignore[misc,valid-type
 
     _missing = "" if _base_error is None else MISSING
     _missing_error = _base_error
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """The ranks are launched: the monitor measures this rank's GPU (``ddp``'s rank 0
+        made it before the launcher; see :meth:`~zeus_async.integrations.EnergyLog.resolve`)."""
+        gpus, local_rank = integrations.lightning_rank(trainer)
+        self.energy.resolve(gpus, local_rank)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.energy.start()

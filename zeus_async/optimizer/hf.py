@@ -24,6 +24,9 @@ class HFGlobalPowerLimitOptimizer(integrations.OptimizerCallback, _Base):  # typ
     Takes the arguments of :class:`~.power_limit.GlobalPowerLimitOptimizer`, which it wraps
     (``.optimizer``): ``on_step_begin`` and ``on_epoch_end`` are forwarded, and
     ``on_train_end`` restores the maximum power limit (``optimizer.close()``).
+    ``on_train_begin`` gives a monitor made before the launcher said the rank this rank's
+    device (``args.device``) and starts the optimizer there (see
+    :mod:`~zeus_async.optimizer.integrations`).
 
     Raises:
         ImportError: ``transformers`` is not installed.
@@ -34,6 +37,12 @@ class HFGlobalPowerLimitOptimizer(integrations.OptimizerCallback, _Base):  # typ
     _missing_error = _base_error
 
     # ``model`` may come positionally, as Zeus's hooks take it (the Trainer passes keywords).
+
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
+        """Training starts (the ranks are launched): this rank's GPU, the optimizer on it."""
+        self._start(integrations.hf_rank(args))
 
     def on_step_begin(
         self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any

@@ -26,6 +26,11 @@ class LightningPowerLimitOptimizer(integrations.OptimizerCallback, _Base):  # ty
     end, and ``on_train_end`` or ``on_exception`` restore the maximum power limit
     (``optimizer.close()``). Each rank of a distributed run has its own callback.
 
+    ``setup`` (the ranks are launched) gives a monitor made before the launcher said the rank
+    (``ddp``: rank 0 is the script's own process) this rank's device, and starts the optimizer
+    there: until then no GPU is touched. Under ``ddp_spawn`` the callback is pickled to each
+    rank, which makes its own monitor and optimizer from their arguments.
+
     Raises:
         ImportError: Neither ``lightning`` nor ``pytorch_lightning`` is installed.
         ValueError, NoPermissionError, ConfigError: As the wrapped optimizer.
@@ -33,6 +38,11 @@ class LightningPowerLimitOptimizer(integrations.OptimizerCallback, _Base):  # ty
 
     _missing = "" if _base_error is None else integrations.LIGHTNING_MISSING
     _missing_error = _base_error
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """The ranks are launched: this rank's GPU, and the optimizer starts on it."""
+        if stage == "fit":
+            self._start(integrations.lightning_rank(trainer))
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int

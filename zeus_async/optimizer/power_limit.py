@@ -344,7 +344,9 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
 
     Args:
         monitor: The :class:`~zeus_async.Monitor` measuring the GPUs to optimize (all of its
-            GPUs get the same limit). With several ranks, each rank's monitor watches its GPU.
+            GPUs get the same limit). With several ranks, each rank's monitor watches its GPU;
+            one made before the launcher said the rank (Lightning's ``ddp``) gets it at the
+            first step (:meth:`start`).
         optimum_selector: Default ``ZeusCost(eta_knob=0.5, world_size=len(monitor GPUs))``;
             with several ranks, ``world_size`` becomes every rank's GPUs (Zeus keeps this
             rank's count while it sums every rank's energy, which underweights time).
@@ -370,7 +372,10 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
     Raises:
         ValueError: Invalid step counts, GPUs with different power-limit ranges.
         NoPermissionError: The process may not change power limits (says which privilege);
-            also a ``RuntimeError``, as Zeus raises.
+            also a ``RuntimeError``, as Zeus raises. At construction; with a monitor made
+            before the launcher said the rank (its ``gpus_resolved`` false), no GPU is
+            touched until :meth:`start`, at the first step or in a framework callback's
+            setup, which raises it then.
         ConfigError: ``profile_path`` holds a corrupt profile, or is new and its directory is
             missing or not writable; adaptive profiling across ranks; a monitor that already
             has an optimizer.
@@ -458,20 +463,25 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
         self._signals = SignalRestorer(self.close, "restoring the maximum power limit")
         self._on_signal = self._signals.on_signal
         self._host = socket.gethostname()
-
-        # Checks the privilege now, synchronously: a clear error at construction, not later.
-        self._set_limit(self.max_power_limit, wait=True, why="start at the maximum")
+        # Until started, no GPU is touched: a monitor made before the launcher said the rank
+        # (Lightning's ddp, ddp_spawn) still measures every GPU of the node.
+        self._started = False
+        self._said_waiting = False
         self.state: State
         if self.profile_path is not None and self.profile_path.exists():
             self.measurements = _load_profile(self.profile_path)
             optimal = self._select()
             self.state = Done(optimal)
             logger.info("loaded the power-limit profile %s: %d W", self.profile_path, optimal)
-            self._set_limit(optimal, why="loaded profile")
             self._emit("done", optimal, detail=f"profile loaded from {self.profile_path}")
         else:
             self.state = Ready(self.power_limits[0], wait_steps + 1)
             self._emit("ready", self.power_limits[0], steps=wait_steps + 1)
+        if getattr(monitor, "gpus_resolved", True):
+            # Checks the privilege now, synchronously: a clear error at construction. (Not
+            # fixing the GPUs: a framework may still correct a rank's GPU taken from its
+            # LOCAL_RANK, Lightning's devices=[2, 3].)
+            self._start(final=False)
         with contextlib.suppress(AttributeError):  # a monitor stand-in with __slots__
             monitor._power_limit_optimizer = self  # type: ignore[attr-defined]
         call_at_exit(self.close)
@@ -483,6 +493,48 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
             self._signals.install()
 
     # -- setup ------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Fix the GPUs and put them at the maximum limit (or the loaded profile's choice).
+
+        At construction when the monitor knows its GPUs; else (a monitor made before the
+        launcher said the rank, :attr:`Monitor.gpus_resolved <zeus_async.Monitor.gpus_resolved>`
+        false) at the first step or when a framework callback is set up, once the monitor has
+        resolved them (:meth:`Monitor.resolve_gpus <zeus_async.Monitor.resolve_gpus>`): no GPU
+        is touched before. The GPUs are final from then on. While the monitor's resolution
+        waits for windows opened on every GPU to end, it does nothing (the steps until then
+        do not count). Idempotent.
+
+        Raises:
+            NoPermissionError: The process may not change power limits.
+            ValueError: As at construction, for the GPUs now monitored.
+        """
+        self._start(final=True)
+
+    def _start(self, *, final: bool) -> None:
+        if self._started or self._closed:
+            return
+        resolve = getattr(self.monitor, "resolve_gpus", None)
+        if resolve is not None and not resolve(final=final):
+            if not self._said_waiting:
+                self._said_waiting = True
+                logger.info(
+                    "power-limit optimizer: waiting for the monitor's windows opened before "
+                    "the launcher said the rank to end; no GPU is touched until then"
+                )
+            return
+        limits = self._limits()
+        if limits != self.power_limits:  # other GPUs than those seen at construction
+            self.power_limits = limits
+            self.max_power_limit = limits[0]
+            if type(self.state) is Ready:
+                self.state = Ready(limits[0], self.state.steps)
+        if self._default_selector and isinstance(self.optimum_selector, ZeusCost):
+            self.optimum_selector.world_size = max(len(self.monitor.gpu_indices), 1)
+        self._set_limit(self.max_power_limit, wait=True, why="start at the maximum")
+        self._started = True
+        if type(self.state) is Done:
+            self._set_limit(self.state.optimal_power_limit, why="loaded profile")
 
     def _limits(self) -> list[int]:
         devices = self.monitor.gpu_devices
@@ -507,6 +559,10 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
     def on_step_begin(self) -> None:
         """Call at the start of every training step (microseconds; never waits, except once
         per profiled limit with several ranks, see :meth:`_start_deciding`)."""
+        if not self._started:
+            self.start()
+            if not self._started:
+                return
         state = self.state
         if type(state) is Done:
             return
@@ -919,6 +975,8 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
             return
         self._closed = True
         self._signals.uninstall()
+        if not self._started:
+            return  # no limit was changed: nothing to restore (and no GPU to touch)
         try:
             self.current_power_limit = None
             self._emit("restored", self.max_power_limit, detail="closing")
