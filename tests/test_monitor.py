@@ -64,6 +64,23 @@ def test_misuse_errors(monitor: Monitor) -> None:
         monitor.pop_window()
 
 
+def test_pushed_windows_are_named_by_place_and_caller_or_as_given(tmp_path: Path) -> None:
+    log = tmp_path / "windows.csv"
+    with Monitor(backend="sim", cpu_indices=[], log_file=log) as mon:
+
+        def train_step() -> None:
+            mon.push_window()  # the line below is what the name points at
+            mon.push_window("inner")
+            time.sleep(0.02)
+            mon.pop_window()
+            mon.pop_window(exact=True)
+
+        train_step()
+        line = train_step.__code__.co_firstlineno + 1
+    names = [row["name"] for row in csv.DictReader(log.read_text().splitlines())]
+    assert sorted(names) == sorted(["inner", f"stack0 train_step (test_monitor.py:{line})"])
+
+
 def test_nested_and_overlapping_windows(monitor: Monitor) -> None:
     monitor.push_window()
     monitor.begin_window("outer")

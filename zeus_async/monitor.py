@@ -242,6 +242,9 @@ def _local_gpus(local_rank: int) -> list[int]:
     return [local_rank]
 
 
+#: Labels of push_window's callers, by (code, line): the name is formatted once per call site.
+_CALLERS: dict[tuple[Any, int], str] = {}
+
 #: Every monitor of this process (a fork's child rebuilds them; see ``Monitor._forked``).
 _MONITORS: weakref.WeakSet[Monitor] = weakref.WeakSet()
 #: The samplers of the parent that a forked child holds on to and never touches.
@@ -423,7 +426,6 @@ class Monitor(ClosedOnExit):
         self._open: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()
         self._stack: list[str] = []
-        self._stack_tag = f"{id(self):x}"
         self._stack_lock = threading.Lock()
         self._closed = False
         self._close_hooks: list[Callable[[], None]] = []
@@ -871,10 +873,25 @@ class Monitor(ClosedOnExit):
             raise
         ctx.result = self.end_window(key, sync_execution=sync_execution)
 
-    def push_window(self) -> None:
-        """Open an anonymous window on top of the stack (Zeus ``push_window`` semantics)."""
+    def push_window(self, name: str | None = None) -> None:
+        """Open a window on top of the stack (Zeus ``push_window`` semantics).
+
+        Its name, in window logs, recordings and on the bus, is ``name`` when given, else its
+        place and its caller — ``stack0 train_step (train.py:42)`` — which a reader can match
+        to the code (it was ``__stack_0_7f34edd311d0``).
+        """
+        label = None
+        if name is None:
+            caller = sys._getframe(1)
+            where = (caller.f_code, caller.f_lineno)
+            label = _CALLERS.get(where)
+            if label is None:
+                code = caller.f_code
+                label = f"{code.co_name} ({os.path.basename(code.co_filename)}:{caller.f_lineno})"
+                if len(_CALLERS) < 4096:
+                    _CALLERS[where] = label
         with self._stack_lock:
-            key = f"__stack_{len(self._stack)}_{self._stack_tag}"
+            key = f"stack{len(self._stack)} {label}" if name is None else name
             self.begin_window(key)
             self._stack.append(key)
 
