@@ -96,3 +96,8 @@ def test_ranks_log_the_jobs_figures_and_decide_alike(
         assert other["measurements"] == first["measurements"]
         assert other["optimal"] == first["optimal"]
     assert [m["power_limit"] for m in first["measurements"]] == [700, 450, 200]
+    # The choice is in the framework's own logs, beside the loss (Zeus only printed it).
+    limits = [e for e in first["history"] if "power_limit_w" in e]
+    assert limits and {e["power_limit_w"] for e in limits} <= {700.0, 450.0, 200.0}
+    chosen = [e["optimal_power_limit_w"] for e in first["history"] if "optimal_power_limit_w" in e]
+    assert chosen and set(chosen) == {float(first["optimal"])}, first["history"]

@@ -1120,3 +1120,28 @@ def test_interpreter_exit_restores_the_maximum_before_the_monitor_closes(tmp_pat
     events = list(RecordingReader(path))
     limits = [(e.power_limit_w, e.source) for e in events if isinstance(e, PowerLimitChange)]
     assert limits[-1] == (700.0, "power_limit: restore")
+
+
+def test_the_choice_is_said_as_zeus_says_it_with_logging_left_unconfigured() -> None:
+    """Zeus prints "Optimal power limit is X W"; a script that configured no logging sees the
+    same line (it was an INFO record nobody saw)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import time\n"
+        "from zeus_async import Monitor\n"
+        "from zeus_async.optimizer import GlobalPowerLimitOptimizer\n"
+        "m = Monitor(backend='sim', gpu_indices=[0], cpu_indices=[], sync_execution_with=None)\n"
+        "o = GlobalPowerLimitOptimizer(m, wait_steps=0, warmup_steps=1, profile_steps=3,"
+        " pl_step=250)\n"
+        "while o.optimal_power_limit is None:\n"
+        "    o.on_step_begin(); time.sleep(0.01)\n"
+        "print('chosen', o.optimal_power_limit)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    chosen = int(proc.stdout.split()[-1])
+    assert f"Optimal power limit is {chosen} W" in proc.stderr.splitlines(), proc.stderr

@@ -56,6 +56,24 @@ class HFGlobalPowerLimitOptimizer(integrations.OptimizerCallback, _Base):  # typ
         """The end of an epoch."""
         self.optimizer.on_epoch_end()
 
+    def on_log(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Each logging step: the power limit in force (``power_limit_w``) and, once chosen,
+        ``optimal_power_limit_w``, in the Trainer's logs (``state.log_history``)."""
+        if logs is None:
+            return
+        metrics = integrations.power_limit_metrics(self.optimizer)
+        logs.update(metrics)  # the report_to integrations after this callback see them
+        history = getattr(state, "log_history", None)
+        if history and isinstance(history[-1], dict):
+            history[-1].update(metrics)  # the Trainer copied the logs there just before
+
     def on_train_end(
         self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
     ) -> None:

@@ -85,6 +85,20 @@ def resolve_gpus(monitor: Any, rank: tuple[list[int] | None, int | None]) -> Non
         resolve(gpus, local_rank=local_rank)
 
 
+def power_limit_metrics(optimizer: Any) -> dict[str, float]:
+    """What the callbacks put in the framework's logs: the power limit the optimizer set
+    (``power_limit_w``: being profiled, or chosen) and, once chosen, ``optimal_power_limit_w``
+    (Zeus printed its choice; here it is also a metric beside the loss)."""
+    metrics: dict[str, float] = {}
+    current = getattr(optimizer, "current_power_limit", None)
+    if current is not None:
+        metrics["power_limit_w"] = float(current)
+    optimal = getattr(optimizer, "optimal_power_limit", None)
+    if optimal is not None:
+        metrics["optimal_power_limit_w"] = float(optimal)
+    return metrics
+
+
 def base_class(modules: tuple[str, ...], name: str) -> tuple[type, BaseException | None]:
     """Attribute ``name`` of the first of ``modules`` that imports; else ``object`` and why
     not (the callback then raises :class:`ImportError` when built)."""

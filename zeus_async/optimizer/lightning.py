@@ -50,6 +50,14 @@ class LightningPowerLimitOptimizer(integrations.OptimizerCallback, _Base):  # ty
         """The start of a training step."""
         self.optimizer.on_step_begin()
 
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """The power limit in force (``power_limit_w``) and, once chosen,
+        ``optimal_power_limit_w``, in the logged metrics."""
+        for name, value in integrations.power_limit_metrics(self.optimizer).items():
+            pl_module.log(name, value, on_step=True, on_epoch=False, rank_zero_only=True)
+
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         """The end of a training epoch."""
         self.optimizer.on_epoch_end()

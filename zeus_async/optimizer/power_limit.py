@@ -890,7 +890,10 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
         finally:
             # Last: whoever sees Done (wait_done) finds the profile saved and the event sent.
             self.state = Done(optimal)
-        logger.info("optimal power limit: %d W", optimal)
+        # As Zeus says it, and seen by default: at INFO where the program configured logging,
+        # else through Python's last-resort handler (which shows WARNING and above only).
+        level = logging.INFO if logger.hasHandlers() else logging.WARNING
+        logger.log(level, "Optimal power limit is %d W", optimal)
 
     def _select(self) -> int:
         return int(self.optimum_selector.select(self.measurements))
