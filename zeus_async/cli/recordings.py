@@ -234,6 +234,8 @@ async def _inspect(args: argparse.Namespace, out: TextIO) -> int:
             else ""
         )
         w(f"device      {name}: {d.name} ({d.arch}, {counter}{limits})\n")
+    if h.meta.get("simulated") == "true":
+        w("SIMULATED   every GPU figure here comes from the simulator, not from hardware\n")
     report = rec.report
     state = "complete" if report.clean else "DAMAGED"
     if reader.part_of is not None:

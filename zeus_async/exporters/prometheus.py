@@ -31,7 +31,9 @@ Metrics (prefix ``zeus_``, Prometheus base units, ``_total`` on counters; every 
 
 GPU series also carry dcgm-exporter's identifying labels, ``UUID``, ``modelName`` and
 ``Hostname``, once a :class:`~zeus_async.events.StreamInfo` has described the GPU (the runtime
-publishes one at start; the bus sends it to each new subscriber). With ``names="dcgm"`` the GPU
+publishes one at start; the bus sends it to each new subscriber); a simulated GPU's series carry
+``simulated="true"`` besides (its stream's ``meta`` says so), so a dashboard can never show
+simulated figures as a real GPU's. With ``names="dcgm"`` the GPU
 series take dcgm-exporter's names, units and labels instead (``DCGM_FI_DEV_POWER_USAGE`` W,
 ``DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION`` mJ, ``DCGM_FI_DEV_GPU_TEMP`` C, ``DCGM_FI_DEV_SM_CLOCK``
 MHz, ``DCGM_FI_DEV_GPU_UTIL`` %, ``DCGM_FI_DEV_FB_USED`` MiB, ``DCGM_FI_DEV_POWER_MGMT_LIMIT``
@@ -484,7 +486,7 @@ class PrometheusExporter(ClosedOnExit):
         self.max_windows = max_windows
         self._window_ttl_ns = round(window_ttl_s * 1e9)
         # (host, GPU index) -> (UUID, model name), from StreamInfo events.
-        self._gpu_info: dict[tuple[str, int], tuple[str, str]] = {}
+        self._gpu_info: dict[tuple[str, int], tuple[str, str, bool]] = {}
         # Evicted series by kind (window, process): one row each.
         self._evictions: dict[str, _Row] = {}
         self._lock = threading.Lock()
@@ -560,6 +562,8 @@ class PrometheusExporter(ClosedOnExit):
         info = self._gpu_info.get((host, gpu))
         if info is not None:
             labels.update(UUID=info[0], modelName=info[1], Hostname=host)
+            if info[2]:
+                labels["simulated"] = "true"
         if self.names == "dcgm":
             labels["device"] = f"nvidia{gpu}"
             labels.setdefault("Hostname", host)
@@ -573,7 +577,7 @@ class PrometheusExporter(ClosedOnExit):
     def _add_stream(self, e: StreamInfo) -> None:
         for gpu, device in described_gpus(e):
             key = (e.host, gpu)
-            info = (device.uuid, device.name)
+            info = (device.uuid, device.name, e.meta.get("simulated") == "true")
             if self._gpu_info.get(key) == info:
                 continue
             self._gpu_info[key] = info

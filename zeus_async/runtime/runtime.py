@@ -392,6 +392,10 @@ class Runtime:
         )
         self.backend = opened.backend
         self.devices = opened.all
+        if self.backend == "sim" and any(d.key.startswith("gpu:") for d in self.devices):
+            # Provenance: the recording header, every StreamInfo (subscribers, exporters) and
+            # the OTLP resource say that the GPU figures are simulated.
+            self._meta["simulated"] = "true"
         if not self.devices:
             logger.warning("no device to sample (no GPU and no readable RAPL package)")
 

@@ -35,7 +35,8 @@ suffix). The figure shows:
   the GPU's row at each change.
 
 The time axis is in seconds, minutes or hours since the first event, whichever reads best for
-the length of the recording. The title defaults to the recording's host and start time; a file
+the length of the recording. The title defaults to the recording's host and start time (and says
+"SIMULATED GPUs" for a recording of the simulator); a file
 that needed recovery (torn tail, corrupt frames; see :class:`~zeus_async.store.RecoveryReport`)
 says so in the subtitle.
 
@@ -481,7 +482,8 @@ def _innermost(spans: Sequence[_Span]) -> list[tuple[float, float, str]]:
 
 def _default_title(reader: RecordingReader) -> str:
     header = reader.header
-    parts = ["GPU power"]
+    simulated = header.meta.get("simulated") == "true"
+    parts = ["GPU power (SIMULATED GPUs)" if simulated else "GPU power"]
     parts.append(header.host or reader.path.name)
     if header.start_wall_ns:
         start = dt.datetime.fromtimestamp(header.start_wall_ns / 1e9, tz=dt.timezone.utc)
