@@ -15,6 +15,7 @@ from zeus_async import Monitor
 from zeus_async.devices.sim import SimConfig, SimNode
 from zeus_async.devices.sim_config import GpuOverride
 from zeus_async.devices.sim_workload import ConstantWorkload
+from zeus_async.errors import ConfigError
 from zeus_async.testing import sim_pynvml
 
 CONFIG = SimConfig(num_gpus=2, workload=ConstantWorkload(util=0.5), seed=1)
@@ -477,3 +478,11 @@ def test_close_waits_for_the_exact_figures_of_closed_windows(monitor: Monitor) -
     monitor.close()  # right after the window: its data had not come yet
     assert result.done()
     assert all(v.startswith("counter+interpolated") for v in result.methods.values())
+
+
+def test_gpus_and_cpus_are_the_names_runtime_and_the_cli_use() -> None:
+    """Issue 34: Monitor(gpus=[0]) failed with an error about the sampler."""
+    with Monitor(backend="sim", gpus=[1], cpus=[], sampler="thread") as mon:
+        assert mon.gpu_indices == [1] and mon.cpu_indices == []
+    with pytest.raises(ConfigError, match="gpus and gpu_indices name the same thing"):
+        Monitor([0], gpus=[1])

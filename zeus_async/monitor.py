@@ -288,12 +288,14 @@ class Monitor(ClosedOnExit):
     """Measure time and energy of named windows in a synchronous program.
 
     Args:
-        gpu_indices: GPUs to measure (indices after ``CUDA_VISIBLE_DEVICES``); ``None`` = all,
+        gpu_indices: GPUs to measure (indices after ``CUDA_VISIBLE_DEVICES``; also ``gpus=``, the
+            name ``Runtime`` and the CLI use); ``None`` = all,
             or, on a rank of a distributed job (:mod:`zeus_async.ranks`), the rank's own: the
             only visible GPU, else its local rank's. Made before a launcher set the rank
             (Lightning's ``ddp`` and ``ddp_spawn``, accelerate's notebook launcher), all until
             the rank is known, then the rank's (:meth:`resolve_gpus`).
-        cpu_indices: RAPL packages; ``None`` = all that are readable, ``[]`` = none.
+        cpu_indices: RAPL packages (also ``cpus=``); ``None`` = all that are readable,
+            ``[]`` = none.
         backend: ``auto`` (NVML if a driver is present, else the simulator), ``nvml``, ``sim``.
         sample_period: Sampling period in seconds.
         publish: Also publish every sample and measurement on this ZeroMQ endpoint.
@@ -376,8 +378,21 @@ class Monitor(ClosedOnExit):
         otlp: str | None = None,
         otlp_interval_s: float = 10.0,
         agent: str | bool | None = None,
+        gpus: Sequence[int] | None = None,
+        cpus: Sequence[int] | None = None,
         **runtime_options: Any,
     ) -> None:
+        # One name for GPU indices across Monitor, Runtime and the CLI (``gpus``, ``--gpus``);
+        # ``gpu_indices``/``cpu_indices`` stay, as Zeus names them.
+        for name, alias, value in (
+            ("gpus", "gpu_indices", gpu_indices),
+            ("cpus", "cpu_indices", cpu_indices),
+        ):
+            given = gpus if name == "gpus" else cpus
+            if given is not None and value is not None:
+                raise ConfigError(f"{name} and {alias} name the same thing: pass one of them")
+        gpu_indices = gpus if gpus is not None else gpu_indices
+        cpu_indices = cpus if cpus is not None else cpu_indices
         if sync_execution_with not in ("torch", None):
             raise ConfigError(
                 f"sync_execution_with must be 'torch' or None, not {sync_execution_with!r}"
