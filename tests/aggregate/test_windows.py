@@ -242,25 +242,29 @@ def _h100_like_samples(
 
 
 def test_head_model_reconstructs_a_step_inside_a_period_exactly() -> None:
-    # 100 W, stepping to 400 W at 1.263 s (inside the tail of the period 1.2-1.3 s); a
-    # 1 W ripple per counter period keeps the readings changing (the model's evidence).
+    # 100 W, stepping to 400 W at 2.263 s (inside the tail of the period 2.2-2.3 s); before
+    # it, 30 W more every other counter period keeps the readings changing and shows that
+    # they describe the period before the last update (the model's evidence).
     def power(t: float) -> float:
-        return (400.0 if t >= 1.263 else 100.0) + (int(t / 0.1 + 1e-9) % 2)
+        return 400.0 if t >= 2.263 else 100.0 + 30.0 * (int(t / 0.1 + 1e-9) % 2)
 
     h = DeviceHistory("gpu:0")
-    _feed_h100_like(h, power, 2.0)
+    _feed_h100_like(h, power, 3.0)
+    assert h.power_readings == "lagging"
     assert h._head_model_active()
-    est = h.energy(round(1.21e9), round(1.29e9))
-    truth = 100.0 * (1.263 - 1.21) + 400.0 * (1.29 - 1.263)  # period 12: ripple 0
+    est = h.energy(round(2.21e9), round(2.29e9))
+    truth = 100.0 * (2.263 - 2.21) + 400.0 * (2.29 - 2.263)
     # Exact up to the estimate of the update instants (midpoints, within 5 ms here: 0 ms).
     assert est.energy_j == pytest.approx(truth, rel=1e-3)
-    # Before the step: 4 J. Splitting the period in proportion to time would say 8.44 J.
-    before = h.energy(round(1.21e9), round(1.25e9)).energy_j
+    # Before the step: 4 J. Splitting the period in proportion to time would say 8.44 J,
+    # the sloped split (a line through the mean, 211 W, leaning 1350 W/s from the
+    # neighbours, 130 W and 400 W) 7.36 J.
+    before = h.energy(round(2.21e9), round(2.25e9)).energy_j
     assert before == pytest.approx(100.0 * 0.04, rel=1e-3)
     linear = DeviceHistory("gpu:0", sensor=SensorModel(head_window_s=0.0))
-    _feed_h100_like(linear, power, 2.0)
+    _feed_h100_like(linear, power, 3.0)
     assert not linear._head_model_active()
-    assert linear.energy(round(1.21e9), round(1.25e9)).energy_j == pytest.approx(8.44, rel=1e-3)
+    assert linear.energy(round(2.21e9), round(2.25e9)).energy_j == pytest.approx(7.36, rel=1e-3)
 
 
 def test_head_model_stays_off_when_readings_do_not_follow_the_counter() -> None:
@@ -300,7 +304,7 @@ def test_remembered_update_instants_never_change_a_result() -> None:
     keep arriving and old ones are trimmed."""
 
     def power(t: float) -> float:
-        return 150.0 + 90.0 * ((t * 7.3) % 1.0) + (int(t / 0.1 + 1e-9) % 3)
+        return 150.0 + 90.0 * ((t * 2.1) % 1.0) + (int(t / 0.1 + 1e-9) % 3)
 
     # Sampling jitter (up to +-3 ms), so that refined update instants depend on how many
     # neighbours a fit had.

@@ -19,7 +19,13 @@ from zeus_async.devices.nvml import (
     parse_cuda_visible_devices,
     visible_nvml_indices,
 )
-from zeus_async.devices.sim import ConstantWorkload, GpuOverride, SimConfig, SimNode
+from zeus_async.devices.sim import (
+    ConstantWorkload,
+    GpuOverride,
+    SimConfig,
+    SimNode,
+    SquareWorkload,
+)
 from zeus_async.errors import (
     ConfigError,
     DeviceLostError,
@@ -193,6 +199,68 @@ def test_field_values_unsupported_uses_per_call_apis() -> None:
         assert (s.power_w, s.avg_power_w, s.energy_j) == (385.0, None, 385.0)
         assert "nvmlDeviceGetFieldValues" not in calls
         assert calls["nvmlDeviceGetTotalEnergyConsumption"] == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "source", "power_w", "avg_power_w"),
+    [
+        # From driver 535 on, the instant field; nvmlDeviceGetPowerUsage is the 1 s average.
+        ("NVIDIA H100 80GB HBM3", {}, "NVML_FI_DEV_POWER_INSTANT", 70.0, 637.0),
+        # An older driver: the 1 s average is all there is, and it is never power_w.
+        ("NVIDIA H100 80GB HBM3", {"driver_version": "525.147.05"}, None, None, 637.0),
+        ("NVIDIA RTX A3000 Laptop GPU", {"driver_version": "525.147.05"}, None, None, 637.0),
+        # GA100: nvmlDeviceGetPowerUsage is documented as instantaneous (no POWER_AVERAGE).
+        (
+            "NVIDIA A100-SXM4-80GB",
+            {"power_reading": "instant", "driver_version": "525.147.05"},
+            "nvmlDeviceGetPowerUsage",
+            70.0,
+            None,
+        ),
+        (
+            "NVIDIA A100-SXM4-80GB",
+            {"power_reading": "instant"},
+            "NVML_FI_DEV_POWER_INSTANT",
+            70.0,
+            None,
+        ),
+        # A GA100 whose driver averages nvmlDeviceGetPowerUsage after all: the backend goes
+        # by the documentation; the estimators judge the readings themselves
+        # (tests/aggregate/test_power_readings.py).
+        (
+            "NVIDIA A100-SXM4-80GB",
+            {"driver_version": "525.147.05"},
+            "nvmlDeviceGetPowerUsage",
+            637.0,
+            None,
+        ),
+    ],
+)
+def test_power_w_is_an_instant_reading_and_says_where_it_comes_from(
+    name: str,
+    overrides: dict[str, Any],
+    source: str | None,
+    power_w: float | None,
+    avg_power_w: float | None,
+) -> None:
+    cfg = SimConfig(
+        num_gpus=1,
+        epoch_ns=E0,
+        counter_origin_ns=E0,
+        workload=SquareWorkload(period_s=10.0, duty=0.5),  # 5 s at 700 W, 5 s at 70 W
+        name=name,
+        arch="hopper" if "H100" in name else "ampere",
+        **overrides,
+    )
+    with sim_pynvml.patched_pynvml(SimNode(cfg, clock := FakeClock(E0), shared_state=False)):
+        gpu = open_nvml_gpus([0], pynvml_module=sim_pynvml, env={})[0]
+        assert gpu.power_source == source
+        # 5.1 s: the head of the period that just ended is at 70 W; the last second averages
+        # 0.9 s at 700 W and 0.1 s at 70 W.
+        clock.set_ns(E0 + 5_100_000_000)
+        s = one(gpu, POWER)
+        assert (s.power_w, s.avg_power_w) == (power_w, avg_power_w)
+        gpu.close()
 
 
 def test_lost_gpu_raises_device_lost() -> None:

@@ -499,3 +499,74 @@ def test_functions_the_simulator_lacks_fail_like_an_old_driver(sim: Sim) -> None
     with pytest.raises(nv.NVMLError_Uninitialized):
         nv.nvmlDeviceGetPciInfo(h)
     nv.nvmlInit()
+
+
+# -- what the power readings report (SimConfig.power_reading, driver version) ----------------
+
+
+def _power_queries(config: SimConfig, seconds: float) -> tuple[int | None, ...]:
+    """(nvmlDeviceGetPowerUsage, POWER_INSTANT, POWER_AVERAGE) in mW at ``seconds``, None
+    where NOT_SUPPORTED, on a 10 s square wave (5 s at 700 W, then 70 W)."""
+    clock = FakeClock(E0)
+    node = SimNode(config, clock, shared_state=False)
+    with sim_pynvml.patched_pynvml(node) as nv:
+        nv.nvmlInit()
+        clock.set_ns(E0 + round(seconds * NS))
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        fields = nv.nvmlDeviceGetFieldValues(
+            h, [(nv.NVML_FI_DEV_POWER_INSTANT, 0), (nv.NVML_FI_DEV_POWER_AVERAGE, 0)]
+        )
+        values = tuple(v.value.uiVal if v.nvmlReturn == 0 else None for v in fields)
+        out = (nv.nvmlDeviceGetPowerUsage(h), *values)
+        nv.nvmlShutdown()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        # H100 (Ampere and newer except GA100): the 1 s average, the 25 ms head sensor beside it.
+        ({}, (637_000, 70_000, 637_000)),
+        # GA100 and older: nvmlDeviceGetPowerUsage is the instant sensor; no POWER_AVERAGE.
+        ({"power_reading": "instant", "name": "NVIDIA A100-SXM4-80GB"}, (70_000, 70_000, None)),
+        # No instant sensor behind any reading (the stand-in of issue 34).
+        ({"power_reading": "average_only"}, (637_000, 637_000, 637_000)),
+        # A driver before 535 knows no power field ids: only nvmlDeviceGetPowerUsage is left.
+        ({"driver_version": "525.147.05"}, (637_000, None, None)),
+        (
+            {"power_reading": "instant", "driver_version": "470.239.06", "arch": "volta"},
+            (70_000, None, None),
+        ),
+    ],
+)
+def test_power_readings_report_what_the_device_reports(
+    overrides: dict[str, Any], expected: tuple[int | None, ...]
+) -> None:
+    config = SimConfig(
+        num_gpus=1,
+        epoch_ns=E0,
+        counter_origin_ns=E0,
+        workload=SquareWorkload(period_s=10.0, duty=0.5),
+        **overrides,
+    )
+    # At 5.1 s: the last second is 0.9 s at 700 W and 0.1 s at 70 W; the head of the last
+    # completed 100 ms period (5.0-5.1 s) is at 70 W.
+    assert _power_queries(config, 5.1) == expected
+
+
+def test_power_reading_is_per_gpu() -> None:
+    config = SimConfig(
+        num_gpus=2,
+        epoch_ns=E0,
+        counter_origin_ns=E0,
+        workload=SquareWorkload(period_s=10.0, duty=0.5),
+        power_reading="instant",
+        gpus=(GpuOverride(), GpuOverride(power_reading="average_only")),
+    )
+    node = SimNode(config, FakeClock(E0), shared_state=False)
+    assert [g.power_reading for g in node.gpus] == ["instant", "average_only"]
+    t = E0 + 5_100_000_000
+    assert [g.power_usage_mw(t) for g in node.gpus] == [70_000, 637_000]
+    assert [g.instant_field_mw(t) for g in node.gpus] == [70_000, 637_000]
+    with pytest.raises(Exception, match="power_reading"):
+        SimConfig.from_json('{"power_reading": "sometimes"}')

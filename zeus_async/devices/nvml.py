@@ -10,8 +10,12 @@ Reading (:meth:`NvmlGpu.read`, the hot path: 100 Hz x 8 GPUs):
   ``nvmlDeviceGetFieldValues`` call (``NVML_FI_DEV_POWER_INSTANT``, ``NVML_FI_DEV_POWER_AVERAGE``,
   ``NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION``). A field id the driver rejects falls back to the
   per-call API: ``nvmlDeviceGetTotalEnergyConsumption`` for energy and
-  ``nvmlDeviceGetPowerUsage``, which NVML documents as a 1 s average on Ampere and later (used for
-  ``avg_power_w``) and as instantaneous before (used for ``power_w``).
+  ``nvmlDeviceGetPowerUsage``, which NVML documents as a 1 s average on Ampere and later except
+  GA100 (used for ``avg_power_w``) and as instantaneous on GA100 (A100, A30, A800) and older
+  architectures (used for ``power_w``). ``power_w`` is never a 1 s average: on a newer GPU
+  whose driver lacks the instant field (before 535) it is ``None``.
+  :attr:`NvmlGpu.power_source` says where ``power_w`` comes from (the estimators check what
+  the readings describe anyway, :attr:`~zeus_async.aggregate.history.DeviceHistory.power_readings`).
 * A field the device does not support is ``None`` and is remembered, so it is not queried again.
   A lost GPU raises :class:`~zeus_async.errors.DeviceLostError`; other per-field failures leave
   that field ``None`` for this tick, unless every field failed, which raises the mapped error.
@@ -28,6 +32,7 @@ import importlib
 import logging
 import math
 import os
+import re
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from types import ModuleType
@@ -71,6 +76,9 @@ ARCH_NAMES: Final[dict[int, str]] = {
     10: "blackwell",
 }
 _VOLTA, _AMPERE = 5, 7
+#: GA100 products, whose ``nvmlDeviceGetPowerUsage`` NVML documents as instantaneous although
+#: they are Ampere (A100, A30, A800; not the RTX A1000/A3000/A800x).
+_GA100 = re.compile(r"\bA(?:100|30|800)\b")
 
 # NVML return codes (C ABI values) grouped by how a caller reacts to them.
 _NOT_SUPPORTED_CODES: Final = frozenset({3, 13, 22, 25, 26, 30})
@@ -226,7 +234,7 @@ class NvmlGpu:
         self._info = self._describe()
         if not self._info.has_energy_counter:
             self._unsupported.add("energy_j")
-        if self._arch is None or self._arch >= _AMPERE:
+        if self._arch is None or (self._arch >= _AMPERE and not _GA100.search(self._info.name)):
             self._power_usage_field = "avg_power_w"  # documented as a 1 s average here
         else:
             self._power_usage_field = "power_w"
@@ -241,6 +249,12 @@ class NvmlGpu:
         }
         self.read(GPU_FIELDS, "", 0)  # probe: learn which fields this device supports
         self._fields = tuple(f for f in GPU_FIELDS if f not in self._unsupported)
+        logger.info(
+            "%s (%s): power_w from %s",
+            self._key,
+            self._info.name,
+            self.power_source or "nowhere (no instant reading; avg_power_w only)",
+        )
 
     # -- static facts -----------------------------------------------------------------------
 
@@ -312,6 +326,21 @@ class NvmlGpu:
 
     def describe(self) -> DeviceInfo:
         return self._info
+
+    @property
+    def power_source(self) -> str | None:
+        """Where ``power_w`` comes from: ``"NVML_FI_DEV_POWER_INSTANT"`` (the instant field,
+        drivers from 535 on), ``"nvmlDeviceGetPowerUsage"`` (where NVML documents it as
+        instantaneous: GA100 and older architectures, on drivers without the field), or
+        ``None`` (no instant reading: a newer GPU on an older driver, whose only power reading
+        is the 1 s average in ``avg_power_w``)."""
+        if "power_w" in self._unsupported:
+            return None
+        if "power_w" in self._field_ids and "power_w" not in self._no_field_value:
+            return "NVML_FI_DEV_POWER_INSTANT"
+        if self._power_usage_field == "power_w":
+            return "nvmlDeviceGetPowerUsage"
+        return None
 
     # -- sampling ---------------------------------------------------------------------------
 

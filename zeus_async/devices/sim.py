@@ -18,7 +18,9 @@ Model, per GPU:
 * What NVML reports is derived from the truth on a grid anchored at the *counter origin*: the
   energy counter (mJ) advances every ``counter_period_s``; instant power is the mean over the
   first ``instant_window_s`` of the last completed ``instant_period_s``; average power is the mean
-  over the last ``average_window_s``, refreshed every ``average_period_s``; temperature follows
+  over the last ``average_window_s``, refreshed every ``average_period_s``; which of them each
+  NVML power query answers depends on ``power_reading`` and the driver version
+  (:class:`~zeus_async.devices.sim_config.SimConfig`); temperature follows
   mean power over the last ``thermal_tau_s`` (a box-filter thermal lag). Reported power can
   carry deterministic sensor noise (``power_noise_w``, uniform, per update); truth and the
   energy counter never do.
@@ -60,10 +62,12 @@ from ..errors import ConfigError
 from .sim_config import (
     ARCH_CODES,
     COMPUTE_CAPABILITY,
+    POWER_FIELDS_DRIVER,
     SIM_ENV_VAR,
     ArchName,
     Feature,
     GpuOverride,
+    PowerReading,
     SimConfig,
     load_sim_config,
 )
@@ -228,6 +232,10 @@ class SimGpu:
             and "energy" not in ov.unsupported
         )
         self.no_permission = ov.no_permission
+        #: What its power readings report (SimConfig.power_reading, or this GPU's override).
+        self.power_reading: PowerReading = ov.power_reading or cfg.power_reading
+        #: Whether the driver knows the power field ids (NVML_FI_DEV_POWER_*, 185-190).
+        self.power_fields = _driver_branch(cfg.driver_version) >= POWER_FIELDS_DRIVER
         self.lost_at_ns: int | None = (
             None if ov.lost_at_s is None else cfg.epoch_ns + round(ov.lost_at_s * NS)
         )
@@ -576,6 +584,20 @@ class SimGpu:
         self._memo["average"] = (end, mw)
         return mw
 
+    def power_usage_mw(self, t_ns: int) -> int:
+        """What ``nvmlDeviceGetPowerUsage`` reports (mW): the 1 s average, or on a GA100-like
+        GPU (``power_reading="instant"``) the instant sensor."""
+        if self.power_reading == "instant":
+            return self.instant_power_mw(t_ns)
+        return self.average_power_mw(t_ns)
+
+    def instant_field_mw(self, t_ns: int) -> int:
+        """What ``NVML_FI_DEV_POWER_INSTANT`` reports (mW): the instant sensor, or the 1 s
+        average where there is none (``power_reading="average_only"``)."""
+        if self.power_reading == "average_only":
+            return self.average_power_mw(t_ns)
+        return self.instant_power_mw(t_ns)
+
     def _noisy(self, mw: int, kind: str, grid_ns: int) -> int:
         """Add the sensor noise of ``config.power_noise_w`` (deterministic per update)."""
         noise_w = self.node.config.power_noise_w
@@ -606,6 +628,12 @@ class SimGpu:
         end = self.grid_floor_ns(t_ns, node.instant_period_ns)
         u = self._mean_util(end - node.instant_period_ns, end)
         return round(u * 100.0), round(u * self.memory_bound_frac * 100.0)
+
+
+def _driver_branch(version: str) -> int:
+    """The branch of a driver version (``"550.90.07"`` -> 550); 0 when it is not a number."""
+    head = version.split(".", 1)[0]
+    return int(head) if head.isdigit() else 0
 
 
 class SimNode:

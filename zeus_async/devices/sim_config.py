@@ -22,6 +22,7 @@ __all__ = [
     "ArchName",
     "Feature",
     "GpuOverride",
+    "PowerReading",
     "SimConfig",
     "load_sim_config",
 ]
@@ -78,6 +79,12 @@ Feature = Literal[
     "architecture",
 ]
 
+#: What a simulated GPU's power readings report (:attr:`SimConfig.power_reading`).
+PowerReading = Literal["average_1s", "instant", "average_only"]
+#: The first driver branch whose NVML knows the power field ids (``NVML_FI_DEV_POWER_AVERAGE``
+#: 185 to ``NVML_FI_DEV_POWER_CURRENT_LIMIT`` 190): older drivers answer NOT_SUPPORTED.
+POWER_FIELDS_DRIVER = 535
+
 PosFloat = Annotated[float, msgspec.Meta(gt=0.0)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -93,6 +100,7 @@ class GpuOverride(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         unsupported: Features whose NVML calls answer ``NVML_ERROR_NOT_SUPPORTED``.
         lost_at_s: From ``epoch + lost_at_s`` on, every call on this GPU raises GPU_IS_LOST.
         no_permission: Set calls (limit, clocks, persistence) raise NO_PERMISSION.
+        power_reading: What its power readings report (see :class:`SimConfig`).
     """
 
     name: str | None = None
@@ -105,6 +113,7 @@ class GpuOverride(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     unsupported: tuple[Feature, ...] = ()
     lost_at_s: float | None = None
     no_permission: bool = False
+    power_reading: PowerReading | None = None
 
 
 class SimConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -128,6 +137,25 @@ class SimConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
     * ``process_pids``: pids of the simulated processes on every GPU, replacing the
       ``processes_per_gpu`` random ones, so a test or demo can put real pids (its own, its
       children) on the simulated GPUs. Each gets a seeded share of the GPU's SM utilization.
+    * ``power_reading``: what the power readings report, as NVIDIA documents
+      ``nvmlDeviceGetPowerUsage`` ("on Ampere (except GA100) or newer GPUs, the API returns
+      power averaged over 1 sec interval; on GA100 and older architectures, instantaneous
+      power is returned"):
+
+      - ``average_1s`` (Ampere and newer except GA100: H100, L4, A10...):
+        ``nvmlDeviceGetPowerUsage`` and ``NVML_FI_DEV_POWER_AVERAGE`` are the mean over the
+        last ``average_window_s`` (1 s), refreshed every ``average_period_s`` (100 ms);
+        ``NVML_FI_DEV_POWER_INSTANT`` is the instant sensor, which on H100s (and A100s) as
+        measured averages only the first ``instant_window_s`` (25 ms) of each
+        ``instant_period_s`` (100 ms) and reports it once that period has ended.
+      - ``instant`` (GA100 and older): ``nvmlDeviceGetPowerUsage`` is the instant sensor too,
+        and there is no ``NVML_FI_DEV_POWER_AVERAGE`` (NOT_SUPPORTED).
+      - ``average_only``: every power reading is the 1 s average, the instant field too (an
+        NVML, or a stand-in for one, with no instant sensor behind it): the case a consumer
+        must recognise from the readings alone.
+
+      The power field ids (185-190) exist from driver 535 on (``driver_version``); older
+      drivers answer NOT_SUPPORTED for them, so only ``nvmlDeviceGetPowerUsage`` is left.
     """
 
     num_gpus: NonNegInt = 4
@@ -168,6 +196,7 @@ class SimConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
     driver_version: str = "550.90.07"
     nvml_version: str = "12.550.90.07"
     cuda_driver_version: int = 12040
+    power_reading: PowerReading = "average_1s"
     workload: Workload = IdleWorkload()
     gpus: tuple[GpuOverride, ...] = ()
 

@@ -316,11 +316,13 @@ def nvmlDeviceGetPerformanceState(handle: Handle) -> int:
 
 
 def nvmlDeviceGetPowerUsage(handle: Handle) -> int:
-    """Power averaged over the driver's window (mW), as on Ampere and later."""
+    """Power (mW): averaged over the driver's 1 s window, as on Ampere and later except GA100,
+    or the instant sensor on a GA100-like GPU (``power_reading="instant"``)."""
     _, gpu, now = _gpu(handle)
     _need(gpu, "power_usage")
-    _need(gpu, "average_power")
-    return gpu.average_power_mw(now)
+    if gpu.power_reading != "instant":
+        _need(gpu, "average_power")
+    return gpu.power_usage_mw(now)
 
 
 def nvmlDeviceGetTotalEnergyConsumption(handle: Handle) -> int:
@@ -340,6 +342,8 @@ def _field(node: SimNode, gpu: SimGpu, now: int, fid: int, scope: int) -> tuple[
         fid in (_b.FI_POWER_INSTANT, _b.FI_POWER_AVERAGE)
         or _b.FI_POWER_MIN <= fid <= _b.FI_POWER_CURRENT
     ):
+        if not gpu.power_fields:  # a driver before 535 knows none of these ids
+            return _b.NOT_SUPPORTED, 0, 0, 0
         if scope == _b.SCOPE_MEMORY and fid == _b.FI_POWER_AVERAGE:
             if "memory_power" in gpu.unsupported:
                 return _b.NOT_SUPPORTED, 0, 0, 0
@@ -350,10 +354,14 @@ def _field(node: SimNode, gpu: SimGpu, now: int, fid: int, scope: int) -> tuple[
     if fid == _b.FI_POWER_INSTANT:
         if "instant_power" in gpu.unsupported:
             return _b.NOT_SUPPORTED, 0, 0, 0
-        ts = gpu.grid_floor_ns(now, node.instant_period_ns)
-        return 0, _b.VT_UINT, gpu.instant_power_mw(now), ts
+        if gpu.power_reading == "average_only":
+            ts = gpu.grid_floor_ns(now, node.average_period_ns)
+        else:
+            ts = gpu.grid_floor_ns(now, node.instant_period_ns)
+        return 0, _b.VT_UINT, gpu.instant_field_mw(now), ts
     if fid == _b.FI_POWER_AVERAGE:
-        if "average_power" in gpu.unsupported:
+        # Documented for Ampere and newer except GA100: none on a GA100-like GPU.
+        if "average_power" in gpu.unsupported or gpu.power_reading == "instant":
             return _b.NOT_SUPPORTED, 0, 0, 0
         ts = gpu.grid_floor_ns(now, node.average_period_ns)
         return 0, _b.VT_UINT, gpu.average_power_mw(now), ts
