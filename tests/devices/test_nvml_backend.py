@@ -110,7 +110,7 @@ def test_open_all_and_describe(sim: Sim) -> None:
     g = gpus[0]
     assert isinstance(g, Device) and isinstance(g, GpuControl)
     info = g.describe()
-    assert info.key == "gpu:0" and info.name == "NVIDIA H100 80GB HBM3"
+    assert info.key == "gpu:0" and info.name == "NVIDIA H100 80GB HBM3 (simulated)"
     assert info.uuid == sim.node.gpus[0].uuid and info.arch == "hopper"
     assert info.has_energy_counter
     assert (info.power_limit_min_w, info.power_limit_max_w, info.power_limit_default_w) == (

@@ -137,7 +137,7 @@ def test_identity(sim: Sim) -> None:
     assert uuid == sim.node.gpus[0].uuid and uuid.startswith("GPU-") and len(uuid) == 40
     assert nv.nvmlDeviceGetHandleByUUID(uuid) is h
     assert nv.nvmlDeviceGetHandleByUUID(uuid.encode()) is h
-    assert nv.nvmlDeviceGetName(h) == "NVIDIA H100 80GB HBM3"
+    assert nv.nvmlDeviceGetName(h) == "NVIDIA H100 80GB HBM3 (simulated)"  # it says so
     assert nv.nvmlDeviceGetIndex(nv.nvmlDeviceGetHandleByIndex(3)) == 3
     assert nv.nvmlDeviceGetArchitecture(h) == nv.NVML_DEVICE_ARCH_HOPPER
     assert nv.nvmlDeviceGetArchitecture(nv.nvmlDeviceGetHandleByIndex(1)) == 4  # Pascal

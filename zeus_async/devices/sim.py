@@ -110,6 +110,10 @@ logger = logging.getLogger(__name__)
 _SPIN_CHUNK = bytes(2048)
 
 NS: Final = 1_000_000_000
+#: The last 48 bits of every simulated GPU's UUID: ``GPU-...-515151515151`` (the first ones
+#: stay distinct, so that a UUID prefix in ``CUDA_VISIBLE_DEVICES`` still names one GPU).
+SIM_UUID_MARK: Final = 0x5151_5151_5151
+_LAST_48: Final = (1 << 48) - 1
 DAY_NS: Final = 86_400 * NS
 _NEG_INF: Final = -(1 << 62)
 _POS_INF: Final = 1 << 62
@@ -246,7 +250,9 @@ class SimGpu:
         mbf = ov.memory_bound_frac
         self.memory_bound_frac: float = cfg.memory_bound_frac if mbf is None else mbf
         hi, lo = stable_hash(cfg.seed, index, "uuid-hi"), stable_hash(cfg.seed, index, "uuid-lo")
-        self.uuid = "GPU-" + str(uuid.UUID(int=hi << 64 | lo))
+        # Marked as simulated in its own identity (GPU-...-515151515151), so that a UUID that
+        # reaches a dashboard or a log says what it is.
+        self.uuid = "GPU-" + str(uuid.UUID(int=((hi << 64 | lo) & ~_LAST_48) | SIM_UUID_MARK))
         self.profile: Profile = build_profile(ov.workload or cfg.workload, cfg.seed, index)
         self.processes: list[SimProcess] = self._make_processes()
         self.memory_used_bytes = cfg.memory_base_bytes + sum(p.memory_bytes for p in self.processes)

@@ -277,7 +277,9 @@ def nvmlDeviceGetHandleByUUID(uuid: str | bytes) -> Handle:
 
 
 def nvmlDeviceGetName(handle: Handle) -> str:
-    return _gpu(handle)[1].name
+    # A simulated GPU says so in its name, wherever the name goes (recordings, Prometheus'
+    # modelName, inspect, plots); the model's name stays a substring for what matches on it.
+    return f"{_gpu(handle)[1].name} (simulated)"
 
 
 def nvmlDeviceGetUUID(handle: Handle) -> str:
