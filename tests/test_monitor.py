@@ -486,3 +486,25 @@ def test_gpus_and_cpus_are_the_names_runtime_and_the_cli_use() -> None:
         assert mon.gpu_indices == [1] and mon.cpu_indices == []
     with pytest.raises(ConfigError, match="gpus and gpu_indices name the same thing"):
         Monitor([0], gpus=[1])
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_window_logs_name_each_gpu_by_uuid_and_driver_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str
+) -> None:
+    """Issue 34: gpu:1 under CUDA_VISIBLE_DEVICES=2,3 is physical GPU 3; the log said only
+    gpu:1, which matches nothing in nvidia-smi or dcgm-exporter."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    log = tmp_path / f"w{suffix}"
+    with Monitor(backend="sim", cpu_indices=[], log_file=log) as mon:
+        uuids = [d.uuid for d in mon.gpu_devices]
+        assert [d.index for d in mon.gpu_devices] == [2, 3]
+        with mon.window("step"):
+            time.sleep(0.02)
+    expected = {f"gpu:{i}": f"{u} (index {2 + i})" for i, u in enumerate(uuids)}
+    if suffix == ".csv":
+        (row,) = csv.DictReader(log.read_text().splitlines())
+        assert dict(item.split("=") for item in row["gpus"].split(";")) == expected
+    else:
+        (line,) = log.read_text().splitlines()
+        assert json.loads(line)["gpus"] == expected

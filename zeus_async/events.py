@@ -297,6 +297,9 @@ class DeviceInfo(msgspec.Struct, array_like=True, gc=False):
     power_limit_max_w: float | None = None
     power_limit_default_w: float | None = None
     supported_sm_clocks_hz: list[float] = msgspec.field(default_factory=list)
+    #: The device's index as the driver numbers it (``nvidia-smi``'s, NVML's), whatever
+    #: ``CUDA_VISIBLE_DEVICES`` made of it: ``gpu:1`` may be physical GPU 3 (``None``: unknown).
+    index: int | None = None
 
 
 class StreamInfo(msgspec.Struct, tag="stream", **_OPTS):

@@ -53,7 +53,7 @@ from ._exit import ClosedOnExit, call_at_exit
 from ._threads import DaemonExecutor
 from .aggregate.windows import WindowResult, WindowTracker, next_window_id, pop_open_window
 from .errors import ConfigError
-from .events import DeviceInfo, Event, Measurement, event_to_dict, event_to_json
+from .events import DeviceInfo, Event, Measurement, StreamInfo, event_to_dict
 from .model_complexity import ModelComplexity, model_complexity
 from .ranks import RankInfo, rank_info, rank_path
 from .runtime import EmbeddedRuntime, ProcessTracking
@@ -131,7 +131,20 @@ class ProfilingResult:
         return f"ProfilingResult(time={self.time!r}, energy={self.energy!r}{mark})"
 
 
-def _csv_line(m: Measurement, *, header: bool, rank: str = "") -> str:
+def _gpu_identities(m: Measurement, devices: Mapping[str, DeviceInfo]) -> dict[str, str]:
+    """Each measured GPU as the tools beside us name it: UUID and the driver's index
+    (``nvidia-smi``'s, which ``CUDA_VISIBLE_DEVICES`` may have renumbered)."""
+    out = {}
+    for gpu in sorted(m.gpu_energy_j):
+        d = devices.get(f"gpu:{gpu}")
+        if d is not None and d.uuid:
+            out[f"gpu:{gpu}"] = d.uuid + ("" if d.index is None else f" (index {d.index})")
+    return out
+
+
+def _csv_line(
+    m: Measurement, *, header: bool, rank: str = "", devices: Mapping[str, DeviceInfo] = {}
+) -> str:
     row = {
         "name": m.name,
         "host": m.host,
@@ -143,6 +156,7 @@ def _csv_line(m: Measurement, *, header: bool, rank: str = "") -> str:
         **{f"cpu{i}_energy_j": e for i, e in sorted((m.cpu_energy_j or {}).items())},
         **{f"dram{i}_energy_j": e for i, e in sorted((m.dram_energy_j or {}).items())},
         "methods": ";".join(f"{k}={v}" for k, v in sorted(m.methods.items())),
+        "gpus": ";".join(f"{k}={v}" for k, v in _gpu_identities(m, devices).items()),
     }
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=list(row))
@@ -153,15 +167,20 @@ def _csv_line(m: Measurement, *, header: bool, rank: str = "") -> str:
 
 
 def window_log_consumer(
-    path: str | Path, *, rank: int | None = None
+    path: str | Path, *, rank: int | None = None, devices: Sequence[DeviceInfo] = ()
 ) -> Callable[[ObjectReceiveStream[Event]], Awaitable[None]]:
     """A runtime consumer appending every finished window to ``path`` (CSV or JSON lines).
 
     Each line names the window's host and, in a job of several ranks, the ``rank`` that
-    measured it (CSV columns ``host`` and ``rank``; a ``rank`` key in JSON lines).
+    measured it (CSV columns ``host`` and ``rank``; a ``rank`` key in JSON lines), and each
+    GPU's UUID and driver index (``nvidia-smi``'s: CSV column ``gpus``,
+    ``gpu:0=GPU-… (index 3);…``; a ``gpus`` object in JSON lines), so that a line matches
+    ``nvidia-smi`` and dcgm-exporter whatever ``CUDA_VISIBLE_DEVICES`` renumbered. The
+    devices come from ``devices`` and from the stream's :class:`StreamInfo`.
     """
     path = Path(path)
     rank_text = "" if rank is None else str(rank)
+    known = {d.key: d for d in devices}
 
     async def consume(stream: ObjectReceiveStream[Event]) -> None:
         header_needed = path.suffix == ".csv" and (not path.exists() or path.stat().st_size == 0)
@@ -173,17 +192,19 @@ def window_log_consumer(
         hung = False
         try:
             async for event in stream:
+                if isinstance(event, StreamInfo):
+                    known.update((d.key, d) for d in event.devices)
                 if not isinstance(event, Measurement):
                     continue
                 try:
                     if path.suffix == ".csv":
-                        text = _csv_line(event, header=header_needed, rank=rank_text)
+                        text = _csv_line(event, header=header_needed, rank=rank_text, devices=known)
                         header_needed = False
-                    elif rank is None:
-                        text = event_to_json(event).decode() + "\n"
                     else:
                         data = event_to_dict(event)
-                        data["rank"] = rank
+                        if rank is not None:
+                            data["rank"] = rank
+                        data["gpus"] = _gpu_identities(event, known)
                         text = msgspec.json.encode(data).decode() + "\n"
                     with anyio.fail_after(stall_s):
                         await f.write(text)

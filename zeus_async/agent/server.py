@@ -515,7 +515,11 @@ async def _run_runtime(
             if cfg.log_file:
                 rank = cfg.meta.get("rank")
                 rt.start_consumer(
-                    window_log_consumer(cfg.log_file, rank=None if rank is None else int(rank)),
+                    window_log_consumer(
+                        cfg.log_file,
+                        rank=None if rank is None else int(rank),
+                        devices=[d.describe() for d in rt.devices],
+                    ),
                     isolate="window log",
                 )
             agent = Agent(cfg, rt, router)

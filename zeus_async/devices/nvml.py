@@ -310,6 +310,7 @@ class NvmlGpu:
             power_limit_max_w=None if limits is None else limits[1] / 1000.0,
             power_limit_default_w=None if default is None else default / 1000.0,
             supported_sm_clocks_hz=list(clocks),
+            index=self.physical_index,
         )
 
     @property
