@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,6 +21,7 @@ from zeus_async.optimizer.pipeline import (
     OfflineProfilingResult,
     PfoClient,
     PfoServerError,
+    RankInfo,
     read_plan,
 )
 from zeus_async.optimizer.pipeline import protocol as p
@@ -256,7 +260,8 @@ def test_pfo_plan_unusable_profiles_are_one_line(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ([], "the PointSolution scheduler needs solution_path: give --scheduler-args"),
+        ([], "choose what to serve: --scheduler FrontierPlanner3D --scheduler-args"),
+        (["--scheduler", "PointSolution"], "the PointSolution scheduler needs solution_path"),
         (
             ["--scheduler", "FrontierPlanner", "--scheduler-args", '{"num_microbatches": -3}'],
             "num_microbatches must be a whole number >= 1, not -3",
@@ -294,7 +299,8 @@ def test_pfo_server_queue_and_registration_grace_options(
     bad = run_cli("pfo-server", "--max-queue-mib", "0")
     assert bad.returncode == 2 and "--max-queue-mib" in bad.stderr
     monkeypatch.setenv("ZEUS_PFO_MAX_QUEUE_MIB", "lots")
-    bad = run_cli("pfo-server", "--no-dump", "--duration", "1")
+    planner = ("--scheduler", "FrontierPlanner3D", "--scheduler-args", '{"num_microbatches": 2}')
+    bad = run_cli("pfo-server", *planner, "--duration", "1")
     assert bad.returncode == 1
     assert bad.stderr.strip() == (
         "zeus-async pfo-server: ZEUS_PFO_MAX_QUEUE_MIB must be a number of MiB, not 'lots'"
@@ -345,3 +351,58 @@ def test_pfo_server_queue_and_registration_grace_options(
     finally:
         server.send_signal(signal.SIGINT)
         server.communicate(timeout=20)
+
+
+CHOOSE = (
+    "zeus-async pfo-server: choose what to serve: --scheduler FrontierPlanner3D "
+    "--scheduler-args '{\"num_microbatches\": M}' profiles every pipeline stage and serves the "
+    "least-energy clocks with no slowdown (M: microbatches per iteration), or --scheduler "
+    'PointSolution3D --scheduler-args \'{"solution_path": "plan.json"}\' serves a plan '
+    "(docs/pfo.md)"
+)
+
+
+def _server_in(cwd: Path, *args: str) -> subprocess.Popen[str]:
+    """``pfo-server ARGS`` run from ``cwd``, with no ``ZEUS_PFO_*`` from this environment."""
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("ZEUS_PFO_")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "zeus_async", "pfo-server", *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(env, PYTHONUNBUFFERED="1"),
+    )
+
+
+def test_pfo_server_alone_says_what_to_serve_and_writes_nothing_unasked(tmp_path: Path) -> None:
+    alone = _server_in(tmp_path)
+    _, err = alone.communicate(timeout=30)
+    assert alone.returncode == 1
+    assert err.splitlines() == [CHOOSE]
+    assert list(tmp_path.iterdir()) == []
+
+    # The planner, for a job of one rank: state is written only under --dump DIR.
+    planner = ("--scheduler", "FrontierPlanner3D", "--scheduler-args", '{"num_microbatches": 2}')
+    for dump in ([], ["--dump", "state"]):
+        server = _server_in(tmp_path, "--bind", "tcp://127.0.0.1:*", *planner, *dump)
+        try:
+            assert server.stdout is not None
+            line = server.stdout.readline()
+            assert "(scheduler FrontierPlanner3D)" in line, line
+            client = PfoClient(line.split(": ", 1)[1].split(" ", 1)[0], timeout_s=10)
+            job = client.register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
+            rank = RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=[1980])
+            client.register_rank(job, rank)
+            schedule = client.get_schedule(job, 0).schedule
+            assert schedule.frequencies == [("forward", 1980), ("backward", 1980)] * 2
+            client.close()
+        finally:
+            server.send_signal(signal.SIGINT)  # a stopping server finishes its dumps first
+            _, err = server.communicate(timeout=20)
+        assert server.returncode == 130, err
+        written = sorted(str(f.relative_to(tmp_path)) for f in tmp_path.rglob("*") if f.is_file())
+        if not dump:
+            assert written == []
+        else:
+            assert written == [f"state/{job}/ranks.json"]  # a round's files: once reported

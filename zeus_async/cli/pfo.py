@@ -47,10 +47,25 @@ def add_parsers(sub: Any) -> None:
     srv.add_argument(
         "--bind", default=None, metavar="ENDPOINT", help="default tcp://127.0.0.1:7787"
     )
-    srv.add_argument("--scheduler", default=None, help="scheduler name or package.module:Class")
+    srv.add_argument(
+        "--scheduler",
+        default=None,
+        help="scheduler name or package.module:Class (FrontierPlanner3D profiles and plans; "
+        "PointSolution3D serves a plan file)",
+    )
     srv.add_argument("--scheduler-args", default=None, metavar="JSON", help="constructor args")
-    srv.add_argument("--dump-dir", default=None, help="where job state is written")
-    srv.add_argument("--no-dump", action="store_true", help="do not write job state")
+    srv.add_argument(
+        "--dump",
+        "--dump-dir",
+        dest="dump",
+        default=None,
+        metavar="DIR",
+        help="write each job's state (ranks, schedules, results, the profile and the plan) "
+        "under DIR/<job id>/; without it (or ZEUS_PFO_DUMP_DATA/ZEUS_PFO_DUMP_DIR), nothing "
+        "is written",
+    )
+    # Nothing is written unless asked: kept so that scripts that said so still run.
+    srv.add_argument("--no-dump", action="store_true", help=argparse.SUPPRESS)
     srv.add_argument("--max-job-idle-time", type=positive_float, default=None, metavar="S")
     srv.add_argument(
         "--registration-timeout",
@@ -140,13 +155,29 @@ def add_parsers(sub: Any) -> None:
     plan.add_argument("--out", default=None, help="write the plan here (.json)")
 
 
+#: ``pfo-server`` with no scheduler chosen. No scheduler can serve a job without being told
+#: something about it: the planner needs the pipeline's microbatches per iteration (each rank's
+#: schedule lists its instructions in order), a plan server its plan; a guessed count would
+#: hand the ranks schedules that do not match the instructions they run.
+_CHOOSE_A_SCHEDULER = (
+    "choose what to serve: --scheduler FrontierPlanner3D --scheduler-args "
+    "'{\"num_microbatches\": M}' profiles every pipeline stage and serves the least-energy "
+    "clocks with no slowdown (M: microbatches per iteration), or --scheduler PointSolution3D "
+    '--scheduler-args \'{"solution_path": "plan.json"}\' serves a plan (docs/pfo.md)'
+)
+
+
 async def _pfo_server(args: argparse.Namespace, out: TextIO) -> int:
     from ..optimizer.pipeline import DEFAULT_ENDPOINT, PfoServer, PfoSettings
     from ..optimizer.pipeline.settings import parse_setting
 
+    env = {name.upper() for name in os.environ}
+    chosen = {args.scheduler, args.scheduler_args} != {None}
+    if not chosen and not env & {"ZEUS_PFO_SCHEDULER", "ZEUS_PFO_SCHEDULER_ARGS"}:
+        raise CliError(_CHOOSE_A_SCHEDULER)
     overrides: dict[str, Any] = {
         "scheduler": args.scheduler,
-        "dump_dir": args.dump_dir,
+        "dump_dir": args.dump,
         "max_job_idle_time": args.max_job_idle_time,
         "registration_timeout": args.registration_timeout,
         "registration_grace": args.registration_grace,
@@ -163,8 +194,12 @@ async def _pfo_server(args: argparse.Namespace, out: TextIO) -> int:
         overrides["scheduler_args"] = parse_setting(
             "--scheduler-args", "scheduler_args", args.scheduler_args
         )
-    if args.no_dump:
-        overrides["dump_data"] = False
+    if args.no_dump or (
+        args.dump is None and not env & {"ZEUS_PFO_DUMP_DATA", "ZEUS_PFO_DUMP_DIR"}
+    ):
+        overrides["dump_data"] = False  # the library's default is the seed's (on): not unasked
+    elif args.dump is not None:
+        overrides["dump_data"] = True
     settings = PfoSettings.from_env(**overrides)
     logging.getLogger("zeus_async.optimizer.pipeline").setLevel(settings.log_level)
     server = PfoServer(settings, args.bind or DEFAULT_ENDPOINT)

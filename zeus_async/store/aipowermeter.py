@@ -49,7 +49,15 @@ from typing import Final, Literal
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["FIELDS", "GROUPS", "AipmField", "combine", "is_aipowermeter", "source_of"]
+__all__ = [
+    "FIELDS",
+    "GROUPS",
+    "AipmField",
+    "combine",
+    "is_aipowermeter",
+    "source_of",
+    "why_absent",
+]
 
 #: How a name covers devices: one device at a time, every device summed, or per GPU the
 #: processes on it summed.
@@ -192,6 +200,46 @@ def covers(field: AipmField, device: str, domains: Callable[[str], Sequence[str]
             if len(names) > 1 and domain == names[1] and names[0] not in domains(device):
                 return True
     return False
+
+
+#: Process metrics computed from RAPL readings: a process's shares of the package and DRAM
+#: power (``None`` in every sample where RAPL is not readable).
+_FROM_RAPL: Final = (
+    "proc.cpu_power_w",
+    "proc.cpu_energy_j",
+    "proc.dram_power_w",
+    "proc.dram_energy_j",
+)
+_NO_RAPL: Final = (
+    "it holds no RAPL readings: CPU energy was not readable on the machine that recorded it "
+    "(no RAPL, as in most virtual machines, or no permission to read it)"
+)
+_SHARES: Final = "a process's CPU and DRAM power are its shares of the RAPL power, and "
+
+
+def why_absent(metric: str, present: Sequence[str]) -> str:
+    """Why a recording whose metrics are ``present`` holds no value of ``metric``, as text to
+    append to the error (``""`` when there is nothing more to say).
+
+    The cause a user can act on: process metrics need process tracking, but a tracked process
+    has no CPU or DRAM power where RAPL was not readable (its samples are there, those fields
+    ``None``), and no GPU metrics unless it ran on a GPU. Saying "record with process tracking"
+    to someone who did would send them the wrong way.
+    """
+    rapl = any(m.startswith("rapl.") for m in present)
+    if metric.startswith("rapl."):
+        return "" if rapl else f" ({_NO_RAPL})"
+    if not metric.startswith("proc."):
+        return ""
+    from_rapl = metric in _FROM_RAPL and not rapl
+    if not any(m.startswith("proc.") for m in present):
+        where = f", where RAPL is readable: {_SHARES}{_NO_RAPL}" if from_rapl else ""
+        return f" (record with process tracking{where})"
+    if from_rapl:
+        return f" ({_SHARES}{_NO_RAPL})"
+    if metric.startswith(("proc.gpu_", "proc.attributed_")):
+        return " (no tracked process ran on a GPU while it was recorded)"
+    return ""
 
 
 def source_of(field: AipmField, device: str) -> str:

@@ -653,8 +653,7 @@ class Recording:
                 return []
             raise ConfigError(
                 f"{field.name!r} ({field.description}) reads {field.metric}, which "
-                f"{self.path} does not hold"
-                + (" (record with process tracking)" if field.metric.startswith("proc.") else "")
+                f"{self.path} does not hold" + aipm.why_absent(field.metric, self.metrics())
             )
         keys = [k for k in self.devices(field.metric) if aipm.covers(field, k, self._rapl_domains)]
         if strict and not keys:
@@ -715,7 +714,8 @@ class Recording:
         metric = AIPOWERMETER_METRICS.get(metric, metric)
         if metric not in self.metrics():
             raise ConfigError(
-                f"unknown metric {metric!r} in {self.path}; available: "
+                f"unknown metric {metric!r} in {self.path}"
+                f"{aipm.why_absent(metric, self.metrics())}; available: "
                 f"{', '.join(self.metrics()) or 'none'}"
             )
         return metric

@@ -28,6 +28,12 @@ variable                       meaning                                          
 ``ZEUS_PFO_CURVE_ALLOW``       directory of the client certificates allowed            none
 =============================  ======================================================  ==========
 
+These are the defaults of :class:`PfoSettings` (the seed's). ``zeus-async pfo-server`` differs
+in two: it asks for a scheduler when none is chosen (no option, no variable: every scheduler
+needs something about the job, the planner its microbatches, a plan server its plan), and it
+writes job state only when asked (``--dump DIR``, or ``ZEUS_PFO_DUMP_DATA`` or
+``ZEUS_PFO_DUMP_DIR`` set), not into ``./dump`` of whatever directory it was started from.
+
 Names are read in any case (``zeus_pfo_dump_dir``; the upper-case spelling wins when both are
 set) and booleans as ``1/0``, ``true/false``, ``yes/no``, ``on/off``, ``t/f``, ``y/n``, as the
 seed's pydantic settings read them.
