@@ -74,6 +74,7 @@ def test_monitor_tracks_this_process_and_serves_prometheus(tmp_path: Path, sampl
         assert gpu_labels["UUID"].startswith("GPU-") and gpu_labels["modelName"]
         mon.begin_window("w")
         mon.end_window("w")
+        agent = mon._process._proc.pid if mon._process and mon._process._proc else None
     reader = RecordingReader(path)
     assert reader.header.meta["model.macs"] == str(8 * 16 * 4)
     assert reader.header.meta["job"] == "test"
@@ -84,8 +85,9 @@ def test_monitor_tracks_this_process_and_serves_prometheus(tmp_path: Path, sampl
     host_side = {e.pid for e in procs if e.gpu is None}
     assert os.getpid() in host_side
     if sampler == "process":
-        # The sampler process is a child of this one, but never tracked.
-        assert len(host_side) == 1
+        # The sampler process is a child of this one, but never tracked (other children of
+        # this test process, left by earlier tests in the same session, may be).
+        assert agent is not None and agent not in host_side
     on_gpu = [e for e in procs if e.gpu is not None and e.pid == os.getpid()]
     assert {e.gpu for e in on_gpu} == {0, 1}
     assert all(e.gpu_power_share_frac == 1.0 for e in on_gpu)
