@@ -189,8 +189,7 @@ def test_monitor_falls_back_to_the_simulator_where_no_driver_is_and_says_so() ->
     proc = run_cli("monitor", "--duration", "0.5", "--quiet")
     assert proc.returncode == 0, proc.stderr
     assert (
-        "backend sim (SIMULATED GPUs: no NVIDIA driver on this machine), 4 device(s)"
-        in proc.stdout
+        "backend sim (SIMULATED GPUs: no NVIDIA driver on this machine), 4 device(s)" in proc.stdout
     )
     assert proc.stderr == ""  # the banner says it: no warning line besides
 
