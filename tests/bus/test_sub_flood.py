@@ -7,6 +7,7 @@ import itertools
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -14,7 +15,7 @@ import pytest
 import zmq
 
 from zeus_async.bus import Publisher, Subscriber
-from zeus_async.bus.publisher import MAX_SUBSCRIPTION_BYTES
+from zeus_async.bus._subscriptions import MAX_SUBSCRIPTION_BYTES
 from zeus_async.errors import ConfigError
 from zeus_async.events import Event, GpuSample, Measurement
 from zeus_async.runtime import Runtime
@@ -139,9 +140,19 @@ def measurement(i: int) -> Measurement:
     )  # fmt: skip
 
 
-async def test_a_connection_past_its_cap_is_dropped_and_its_topics_forgotten() -> None:
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[Any]]:
+    """A ZeroMQ context for raw clients, destroyed (linger 0) however the test ends: a context
+    left to the garbage collector with a socket still holding messages blocks its term()."""
+    context: zmq.Context[Any] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+async def test_a_connection_past_its_cap_is_dropped_and_its_topics_forgotten(
+    ctx: zmq.Context[Any],
+) -> None:
     pub = Publisher("tcp://127.0.0.1:*", host="h", max_topics_per_connection=5, flush_interval_s=0)
-    ctx: zmq.Context[Any] = zmq.Context()
     async with anyio.create_task_group() as tg:
         await tg.start(pub.run)
         async with Subscriber(pub.endpoint, topics=["window/"]) as sub:
@@ -177,12 +188,12 @@ async def test_a_connection_past_its_cap_is_dropped_and_its_topics_forgotten() -
             repeat.close()
             greedy.close()
         tg.cancel_scope.cancel()
-    ctx.term()
 
 
-async def test_past_the_total_cap_the_connection_holding_most_is_dropped() -> None:
+async def test_past_the_total_cap_the_connection_holding_most_is_dropped(
+    ctx: zmq.Context[Any],
+) -> None:
     pub = Publisher("tcp://127.0.0.1:*", host="h", max_topics_per_connection=10, max_topics=12)
-    ctx: zmq.Context[Any] = zmq.Context()
     async with anyio.create_task_group() as tg:
         await tg.start(pub.run)
         big, small = xsub(ctx, pub.endpoint), xsub(ctx, pub.endpoint)
@@ -204,12 +215,37 @@ async def test_past_the_total_cap_the_connection_holding_most_is_dropped() -> No
         big.close()
         small.close()
         tg.cancel_scope.cancel()
-    ctx.term()
 
 
-async def test_an_oversized_subscription_drops_its_connection_unread() -> None:
-    pub = Publisher("tcp://127.0.0.1:*", host="h")
+async def test_a_prefix_left_while_another_connection_held_it_is_no_longer_counted() -> None:
+    """ZeroMQ reports an unsubscribe only once the last holder of the prefix leaves, with that
+    holder's descriptor. Before: a connection that had left the prefix earlier stayed counted
+    with it, and one taking and leaving topics another also held was dropped at the 5th."""
+    pub = Publisher("tcp://127.0.0.1:*", host="h", max_topics_per_connection=5)
     ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(pub.run)
+            rotating, holding = xsub(ctx, pub.endpoint), xsub(ctx, pub.endpoint)
+            for i in range(10):
+                topic = b"t/%d" % i
+                holding.send(b"\x01" + topic)
+                await until(lambda n=3 * i + 1: pub.stats.subscriptions == n, "the holder's")
+                rotating.send(b"\x01" + topic)
+                rotating.send(b"\x00" + topic)  # not reported: the holder still holds it
+                rotating.send(b"\x01mark")  # (the same prefix each time: one topic)
+                await until(lambda n=3 * i + 3: pub.stats.subscriptions == n, "the rotation")
+                holding.send(b"\x00" + topic)  # reported, with the holder's descriptor
+                await until(lambda n=i + 1: pub.stats.unsubscriptions == n, "the holder leaving")
+            assert pub.stats.connections_dropped == 0
+            assert pub.stats.subscriptions_refused == 0
+            tg.cancel_scope.cancel()
+    finally:
+        ctx.destroy(linger=0)
+
+
+async def test_an_oversized_subscription_drops_its_connection_unread(ctx: zmq.Context[Any]) -> None:
+    pub = Publisher("tcp://127.0.0.1:*", host="h")
     async with anyio.create_task_group() as tg:
         await tg.start(pub.run)
         huge = xsub(ctx, pub.endpoint)
@@ -222,7 +258,6 @@ async def test_an_oversized_subscription_drops_its_connection_unread() -> None:
         huge.close()
         fine.close()
         tg.cancel_scope.cancel()
-    ctx.term()
 
 
 def test_topic_caps_must_be_positive() -> None:

@@ -40,20 +40,14 @@ Design:
   and sampling, for over a second). ZeroMQ takes subscription messages off the connections
   (and into its own table, about 190 bytes per distinct prefix) whenever the socket is used;
   with a small receive high-water mark and ``recv()`` (not ``ZMQ_EVENTS``) per message, it
-  takes them roughly as fast as this task handles them, and a message longer than
-  :data:`MAX_SUBSCRIPTION_BYTES` drops its connection. ZeroMQ gives each message the file
-  descriptor of the connection it came on (``ZMQ_SRCFD``): per connection the publisher
-  counts its distinct prefixes, and a connection that would hold more than
-  ``max_topics_per_connection``, or push the total past ``max_topics`` (then the connection
-  holding the most goes), is disconnected (``shutdown`` of that descriptor, after checking it
-  is still that connection of this socket), which makes ZeroMQ forget its subscriptions. So
-  the memory held for subscriptions is bounded; counted in
+  takes them roughly as fast as this task handles them. The limits themselves are those of
+  :mod:`._subscriptions` (shared with the proxy's downstream socket): a message longer than
+  4,096 bytes drops its connection, and a connection that would hold more than
+  ``max_topics_per_connection`` distinct prefixes, or push the total past ``max_topics`` (then
+  the connection holding the most goes), is disconnected, which makes ZeroMQ forget its
+  subscriptions. So the memory held for subscriptions is bounded; counted in
   :attr:`PublisherStats.connections_dropped` and ``subscriptions_refused``. A client that
   reconnects and floods again is dropped again, and costs a bounded share of the loop.
-  Connections without a descriptor (``inproc://``: this process's own code) are not counted.
-  A descriptor closed and reused by another connection of this socket between ZeroMQ reading
-  a message and this task handling it would charge the message to the new connection: at
-  worst that one is dropped too (and reconnects).
 """
 
 from __future__ import annotations
@@ -61,8 +55,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket
-import stat
 import sys
 import time
 import uuid
@@ -82,6 +74,7 @@ from ..errors import CodecError, ConfigError
 from ..events import Event, GpuSample, Heartbeat, StreamInfo, event_topic
 from ._endpoints import check_bind_endpoint, default_endpoint, is_local_endpoint
 from ._sockets import last_endpoint, poll_in, socket_fd
+from ._subscriptions import SUBSCRIPTION_BATCH, SubscriptionLimits, limit_intake
 from .codec import FLAG_FINAL, FrameEncoder, parse_stream_id
 from .curve import CurveServerKeys, apply_server_keys, start_authenticator
 
@@ -96,19 +89,6 @@ _LOG_INTERVAL_S = 5.0
 #: often (see ``Publisher._send_final``).
 FINAL_WAIT_S = 0.5
 FINAL_GAP_S = 0.05
-
-#: Subscription messages the socket task handles per turn of the event loop, at most, before
-#: it sends what is due and yields to the other tasks (the samplers).
-SUBSCRIPTION_BATCH = 256
-#: Receive high-water mark of the XPUB socket (subscription messages per connection queued
-#: inside ZeroMQ): small, so a flood stays in the flooder's buffers, not in this process.
-SUBSCRIPTION_RCVHWM = 16
-#: Longest subscription message accepted (``0x01`` + the prefix); ZeroMQ drops the connection
-#: of a longer one.
-MAX_SUBSCRIPTION_BYTES = 4096
-
-#: A connection: its file descriptor and the socket's inode (fds are reused, inodes are not).
-_Conn = tuple[int, int]
 
 
 @dataclass
@@ -222,8 +202,6 @@ class Publisher:
             raise ConfigError("max_pending_events must be >= max_batch_events")
         if linger_s < 0:
             raise ConfigError("linger_s must be >= 0")
-        if max_topics_per_connection < 1 or max_topics < 1:
-            raise ConfigError("max_topics_per_connection and max_topics must be >= 1")
         self._endpoint = endpoint if endpoint is not None else default_endpoint()
         is_local_endpoint(self._endpoint)  # a malformed endpoint fails here, not in run()
         self._host = host
@@ -252,10 +230,14 @@ class Publisher:
         self._sndhwm = sndhwm
         self._max_pending = max_pending_events
         self._linger_ms = round(linger_s * 1000)
-        self._max_conn_topics = max_topics_per_connection
-        self._max_topics = max_topics
         self._context = context
         self.stats = PublisherStats()
+        self._limits = SubscriptionLimits(
+            max_per_connection=max_topics_per_connection,
+            max_total=max_topics,
+            stats=self.stats,
+            name=f"publisher {self._stream_id}",
+        )
 
         # Batching state (touched by publish() and the socket task, both on the loop thread).
         self._open: dict[str, list[Event]] = {}  # topic -> its open batch
@@ -269,13 +251,7 @@ class Publisher:
         # Topic prefixes subscribed to now, and per topic whether one of them matches it.
         self._subscribed: set[bytes] = set()
         self._wanted: dict[str, bool] = {}
-        # Per connection its distinct prefixes, their total, connections dropped (until their
-        # descriptor is closed), and what is left of this turn's subscription budget.
-        self._conns: dict[_Conn, set[bytes]] = {}
-        self._conn_topics = 0
-        self._dropped: set[_Conn] = set()
-        self._budget = SUBSCRIPTION_BATCH
-        self._last_refuse_log = -math.inf
+        self._budget = SUBSCRIPTION_BATCH  # what is left of this turn's subscription budget
         self._wake_pending = False
         self._wait_scope: anyio.CancelScope | None = None
         self._started = False
@@ -475,8 +451,7 @@ class Publisher:
             sock.setsockopt(zmq.LINGER, self._linger_ms)
             sock.setsockopt(zmq.SNDHWM, self._sndhwm)
             sock.setsockopt(zmq.XPUB_VERBOSE, 1)
-            sock.setsockopt(zmq.RCVHWM, SUBSCRIPTION_RCVHWM)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
+            limit_intake(sock)
             if self._curve is not None:
                 auth = start_authenticator(ctx, self._curve)
                 apply_server_keys(sock, self._curve)
@@ -485,7 +460,7 @@ class Publisher:
             except zmq.ZMQError as exc:
                 raise ConfigError(f"publisher cannot bind {self._endpoint!r}: {exc}") from exc
             bound = True
-            self._endpoint = last_endpoint(sock)
+            self._endpoint = self._limits.endpoint = last_endpoint(sock)
             self._sock = sock
             logger.info("publisher %s bound to %s", self._stream_id, self._endpoint)
             task_status.started(self)
@@ -513,7 +488,7 @@ class Publisher:
             self._service(sock, now)
             if now >= next_heartbeat:
                 self._send_heartbeat(sock)
-                self._forget_closed()
+                self._limits.forget_closed()
                 next_heartbeat = now + self._heartbeat_s
             # Unless the turn's budget ran out (subscriptions still queued: come back after the
             # other tasks had a turn), the last socket call read ZMQ_EVENTS without POLLIN, so
@@ -596,8 +571,7 @@ class Publisher:
         if msg[:1] == b"\x01":
             self.stats.subscriptions += 1
             prefix = msg[1:]
-            if not self._admit(frame, prefix):
-                self.stats.subscriptions_refused += 1
+            if not self._limits.subscribe(frame, prefix):
                 return
             if prefix not in self._subscribed:
                 self._subscribed.add(prefix)
@@ -607,105 +581,11 @@ class Publisher:
         elif msg[:1] == b"\x00":
             self.stats.unsubscriptions += 1
             prefix = msg[1:]
-            conn = self._conn_of(frame)
-            topics = self._conns.get(conn) if isinstance(conn, tuple) else None
-            if topics is not None and prefix in topics:
-                topics.discard(prefix)
-                self._conn_topics -= 1
             # ZeroMQ reports an unsubscribe once the last subscriber of the prefix left.
+            self._limits.unsubscribed(prefix)
             if prefix in self._subscribed:
                 self._subscribed.discard(prefix)
                 self._wanted.clear()
-
-    def _conn_of(self, frame: zmq.Frame) -> _Conn | bool | None:
-        """The connection ``frame`` came on; ``None`` when ZeroMQ gave no descriptor
-        (``inproc://``, or an unsubscribe of a connection that closed); ``False`` when the
-        descriptor is no longer a socket (the connection closed since)."""
-        try:
-            fd = frame.get(zmq.SRCFD)
-        except zmq.ZMQError:
-            return None
-        try:
-            st = os.fstat(fd)
-        except OSError:
-            return False
-        return (fd, st.st_ino) if stat.S_ISSOCK(st.st_mode) else False
-
-    def _admit(self, frame: zmq.Frame, prefix: bytes) -> bool:
-        """Count ``prefix`` against its connection and the total; ``False`` if refused (the
-        connection was, or is now, dropped)."""
-        conn = self._conn_of(frame)
-        if conn is None:
-            return True  # this process's own sockets
-        if conn is False or conn in self._dropped:
-            return False
-        assert isinstance(conn, tuple)
-        topics = self._conns.setdefault(conn, set())
-        if prefix in topics:
-            return True
-        if len(topics) >= self._max_conn_topics:
-            self._drop_conn(conn, f"more than {self._max_conn_topics} topic prefixes")
-            return False
-        if self._conn_topics >= self._max_topics:
-            self._forget_closed()
-        if self._conn_topics >= self._max_topics:
-            top = max(self._conns, key=lambda c: len(self._conns[c]))
-            self._drop_conn(top, f"the most of {self._max_topics} topic prefixes in total")
-            if top == conn:
-                return False
-        topics = self._conns.setdefault(conn, topics)
-        topics.add(prefix)
-        self._conn_topics += 1
-        return True
-
-    def _drop_conn(self, conn: _Conn, why: str) -> None:
-        """Disconnect ``conn`` (ZeroMQ then forgets its subscriptions) and stop counting it."""
-        self._conn_topics -= len(self._conns.pop(conn, ()))
-        self._dropped.add(conn)
-        fd, inode = conn
-        try:
-            if os.fstat(fd).st_ino != inode:
-                return  # closed meanwhile: ZeroMQ has already forgotten it
-            with socket.socket(fileno=os.dup(fd)) as peer:
-                if not self._is_our_end(peer.getsockname()):  # pragma: no cover - defensive
-                    return
-                peer.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            return
-        self.stats.connections_dropped += 1
-        now = time.monotonic()
-        if now - self._last_refuse_log >= _LOG_INTERVAL_S:
-            self._last_refuse_log = now
-            logger.warning(
-                "publisher %s dropped a subscriber connection: %s (%d dropped so far)",
-                self._stream_id,
-                why,
-                self.stats.connections_dropped,
-            )
-
-    def _is_our_end(self, name: Any) -> bool:
-        """Whether ``name`` (a connection's local address) is this publisher's endpoint."""
-        scheme, _, where = self._endpoint.partition("://")
-        if scheme == "tcp" and isinstance(name, tuple):
-            return str(name[1]) == where.rpartition(":")[2]
-        if scheme == "ipc":
-            if isinstance(name, bytes):  # an abstract socket: b"\0name" for "ipc://@name"
-                return name == b"\0" + where[1:].encode()
-            return bool(name == where)
-        return False  # pragma: no cover - only tcp and ipc connections carry a descriptor
-
-    def _forget_closed(self) -> None:
-        """Stop counting connections whose descriptor was closed (or now is another socket)."""
-
-        def open_(conn: _Conn) -> bool:
-            try:
-                return os.fstat(conn[0]).st_ino == conn[1]
-            except OSError:
-                return False
-
-        for conn in [c for c in self._conns if not open_(c)]:
-            self._conn_topics -= len(self._conns.pop(conn))
-        self._dropped = {c for c in self._dropped if open_(c)}
 
     def _is_wanted(self, topic: str) -> bool:
         """Whether a current subscription matches ``topic`` (one of its prefixes is one)."""
