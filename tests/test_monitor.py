@@ -508,3 +508,9 @@ def test_window_logs_name_each_gpu_by_uuid_and_driver_index(
     else:
         (line,) = log.read_text().splitlines()
         assert json.loads(line)["gpus"] == expected
+
+
+@pytest.mark.parametrize("bad", ["0,1", [0.5], [None], 3])
+def test_device_indices_that_are_not_indices_are_one_clear_error(bad: object) -> None:
+    with pytest.raises(ConfigError, match="gpus must be a list of device indices such as"):
+        Monitor(gpus=bad, backend="sim")  # type: ignore[arg-type]

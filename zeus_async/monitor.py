@@ -33,6 +33,7 @@ import csv
 import functools
 import io
 import logging
+import operator
 import os
 import sys
 import threading
@@ -263,6 +264,20 @@ def _local_gpus(local_rank: int) -> list[int]:
     return [local_rank]
 
 
+def _indices(value: Sequence[int] | None, what: str) -> list[int] | None:
+    """Device indices as given (``None``: all), or a :class:`ConfigError` naming the value."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
+        return [operator.index(i) for i in value]  # ints, numpy's too
+    except TypeError:
+        raise ConfigError(
+            f"{what} must be a list of device indices such as [0, 1], not {value!r}"
+        ) from None
+
+
 #: Labels of push_window's callers, by (code, line): the name is formatted once per call site.
 _CALLERS: dict[tuple[Any, int], str] = {}
 
@@ -430,8 +445,8 @@ class Monitor(ClosedOnExit):
         # What the monitor was made with (the model measured once, as metadata): what a
         # resolution rebuilds it from, and what a pickled monitor carries to another process.
         self._args: dict[str, Any] = dict(
-            gpu_indices=None if gpu_indices is None else [int(i) for i in gpu_indices],
-            cpu_indices=None if cpu_indices is None else [int(i) for i in cpu_indices],
+            gpu_indices=_indices(gpu_indices, "gpus"),
+            cpu_indices=_indices(cpu_indices, "cpus"),
             backend=backend,
             sample_period=sample_period,
             publish=publish,
