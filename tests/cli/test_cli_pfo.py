@@ -155,7 +155,7 @@ def test_pfo_plan_shows_the_baseline_the_saving_and_its_p_block(tmp_path: Path) 
     proc = run_cli("pfo-plan", str(csv), "--microbatches", "4", "--max-slowdown", "0.2")
     assert proc.returncode == 0, proc.stderr
     lines = _lines(proc.stdout)
-    assert lines["P_block"].startswith("0 W (not measured: give --p-block)")
+    assert lines["P_block"].startswith("0 W per stage (not measured: give --p-block)")
     # The baseline is every instruction at its top clock, evaluated exactly.
     profile = InstructionProfile.from_rows(InstructionProfilingResult.from_csv(csv).rows())
     schedule = PipelineSchedule("1f1b", 2, 4)
@@ -174,14 +174,16 @@ def test_pfo_plan_shows_the_baseline_the_saving_and_its_p_block(tmp_path: Path) 
     # The blocking power the server measured, kept beside the profile, is used and said.
     write_blocking_power(csv, 55.5, given=False)
     measured = run_cli("pfo-plan", str(csv), "--microbatches", "4")
-    assert _lines(measured.stdout)["P_block"].startswith("55.5 W (measured while profiling)")
+    p_block = _lines(measured.stdout)["P_block"]
+    assert p_block.startswith("55.5 W per stage (measured while profiling)")
     # A server given p_block_w planned with it, and keeps that one: so does pfo-plan.
     write_blocking_power(csv, 42.0, given=True)
     kept = run_cli("pfo-plan", str(csv), "--microbatches", "4")
-    assert _lines(kept.stdout)["P_block"].startswith("42 W (given to the server that profiled)")
+    p_block = _lines(kept.stdout)["P_block"]
+    assert p_block.startswith("42 W per stage (given to the server that profiled)")
     write_blocking_power(csv, 55.5, given=False)
     given = run_cli("pfo-plan", str(csv), "--microbatches", "4", "--p-block", "10")
-    assert _lines(given.stdout)["P_block"].startswith("10 W (given)")
+    assert _lines(given.stdout)["P_block"].startswith("10 W per stage (given)")
     e_measured = float(_lines(measured.stdout)["chosen"].split(", ")[1].split()[0])
     e_given = float(_lines(given.stdout)["chosen"].split(", ")[1].split()[0])
     assert e_measured > e_given  # idle time costs more at 55.5 W

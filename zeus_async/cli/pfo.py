@@ -148,7 +148,8 @@ def add_parsers(sub: Any) -> None:
         type=nonnegative_float,
         default=None,
         metavar="W",
-        help="blocking power: what a GPU draws while it waits on another stage, charged for "
+        help="blocking power: what a pipeline STAGE draws while it waits on another (all its "
+        "data- and tensor-parallel GPUs together, as the profile's energies are), charged for "
         "idle time (default: what the server measured while profiling, kept beside the "
         "profile as NAME.p_block.json; else 0)",
     )
@@ -255,8 +256,8 @@ async def _pfo_plan(args: argparse.Namespace, out: TextIO) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     out.write(
-        f"P_block     {p_block:.6g} W ({where}): idle time is charged at this power, as the "
-        "server does\n"
+        f"P_block     {p_block:.6g} W per stage ({where}): idle time is charged at this power, "
+        "as the server does\n"
     )
     bar = terminal_progress("planning", in_bytes=False)
     stop = threading.Event()
