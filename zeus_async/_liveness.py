@@ -25,8 +25,6 @@ import contextlib
 import logging
 import os
 import select
-import time
-from collections.abc import Callable
 
 import psutil
 
@@ -148,14 +146,3 @@ def pid_alive(pid: int, *, existed_at_ns: int | None = None) -> bool:
         return existed_at_ns is None or proc.create_time() <= existed_at_ns / 1e9 + 1.0
     except psutil.Error:
         return False
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
-    """Poll ``predicate()`` until it is true or ``timeout_s`` passed; whether it became true."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval_s)
