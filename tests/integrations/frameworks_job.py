@@ -37,8 +37,7 @@ def data() -> torch.utils.data.TensorDataset:
 def hf(monitor: Monitor, optimizer: bool) -> tuple[list[dict[str, Any]], Any]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from zeus_async.integrations.hf import EnergyCallback
-    from zeus_async.optimizer.hf import HFGlobalPowerLimitOptimizer
+    from zeus_async.integrations.hf import EnergyCallback, HFGlobalPowerLimitOptimizer
 
     class Tiny(torch.nn.Module):
         def __init__(self) -> None:
@@ -95,8 +94,7 @@ def hf(monitor: Monitor, optimizer: bool) -> tuple[list[dict[str, Any]], Any]:
 def lightning(monitor: Monitor, optimizer: bool) -> tuple[list[dict[str, Any]], Any]:
     import lightning as L
 
-    from zeus_async.integrations.lightning import EnergyCallback
-    from zeus_async.optimizer.lightning import LightningPowerLimitOptimizer
+    from zeus_async.integrations.lightning import EnergyCallback, LightningPowerLimitOptimizer
 
     class Tiny(L.LightningModule):
         def __init__(self) -> None:

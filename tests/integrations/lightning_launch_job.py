@@ -26,8 +26,7 @@ import msgspec
 import torch
 
 from zeus_async import Monitor
-from zeus_async.integrations.lightning import EnergyCallback
-from zeus_async.optimizer.lightning import LightningPowerLimitOptimizer
+from zeus_async.integrations.lightning import EnergyCallback, LightningPowerLimitOptimizer
 
 STEPS = 12
 OPTIMIZER = {"wait_steps": 1, "warmup_steps": 1, "profile_steps": 2, "pl_step": 250}

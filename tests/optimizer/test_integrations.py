@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-import zeus_async.optimizer.hf as hf
-import zeus_async.optimizer.integrations as integrations
-import zeus_async.optimizer.lightning as lightning
+import zeus_async.integrations._power_limit as integrations
+import zeus_async.integrations.hf as hf
+import zeus_async.integrations.lightning as lightning
 
 ROOT = str(Path(__file__).resolve().parents[2])
 HF_MODULES = ("transformers", "transformers.trainer_callback")
@@ -92,18 +92,21 @@ def _module(name: str, **attrs: Any) -> types.ModuleType:
 
 
 @pytest.fixture
-def reload(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], types.ModuleType]]:
-    """``reload()`` re-imports the integrations module under the test's ``sys.modules``, with
-    ``GlobalPowerLimitOptimizer`` replaced by :class:`Recorder`; afterwards ``sys.modules`` is
-    restored and the module re-imported as it was."""
+def reload(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], Any]]:
+    """``reload()`` re-imports the integrations modules under the test's ``sys.modules``, with
+    ``GlobalPowerLimitOptimizer`` replaced by :class:`Recorder`, and gives both callbacks;
+    afterwards ``sys.modules`` is restored and the modules re-imported as they were."""
     Recorder.instances.clear()
 
-    def do_reload() -> types.ModuleType:
+    def do_reload() -> Any:
         module = importlib.reload(integrations)
         monkeypatch.setattr(module, "GlobalPowerLimitOptimizer", Recorder)
         importlib.reload(hf)  # each resolves its framework's base class at import
         importlib.reload(lightning)
-        return module
+        return types.SimpleNamespace(
+            HFGlobalPowerLimitOptimizer=hf.HFGlobalPowerLimitOptimizer,
+            LightningPowerLimitOptimizer=lightning.LightningPowerLimitOptimizer,
+        )
 
     yield do_reload
     monkeypatch.undo()
@@ -125,7 +128,7 @@ def _fake_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_hf_callback_forwards_hooks(
-    monkeypatch: pytest.MonkeyPatch, reload: Callable[[], types.ModuleType]
+    monkeypatch: pytest.MonkeyPatch, reload: Callable[[], Any]
 ) -> None:
     _fake_transformers(monkeypatch)
     module = reload()
@@ -164,7 +167,7 @@ def test_hf_callback_forwards_hooks(
 
 
 def test_hf_callback_takes_the_optimizers_arguments(
-    monkeypatch: pytest.MonkeyPatch, reload: Callable[[], types.ModuleType]
+    monkeypatch: pytest.MonkeyPatch, reload: Callable[[], Any]
 ) -> None:
     _fake_transformers(monkeypatch)
     module = reload()
@@ -178,7 +181,7 @@ def test_hf_callback_takes_the_optimizers_arguments(
 
 @pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
 def test_lightning_callback_forwards_hooks(
-    monkeypatch: pytest.MonkeyPatch, reload: Callable[[], types.ModuleType], package: str
+    monkeypatch: pytest.MonkeyPatch, reload: Callable[[], Any], package: str
 ) -> None:
     _without(monkeypatch, LIGHTNING_MODULES)
     if package == "lightning.pytorch":
@@ -198,7 +201,7 @@ def test_lightning_callback_forwards_hooks(
 
 
 def test_lightning_is_preferred_over_pytorch_lightning(
-    monkeypatch: pytest.MonkeyPatch, reload: Callable[[], types.ModuleType]
+    monkeypatch: pytest.MonkeyPatch, reload: Callable[[], Any]
 ) -> None:
     class Old(FakeLightningCallback):
         pass
@@ -217,7 +220,7 @@ def test_lightning_is_preferred_over_pytorch_lightning(
 
 
 def test_module_imports_without_the_frameworks(
-    monkeypatch: pytest.MonkeyPatch, reload: Callable[[], types.ModuleType]
+    monkeypatch: pytest.MonkeyPatch, reload: Callable[[], Any]
 ) -> None:
     _without(monkeypatch, HF_MODULES + LIGHTNING_MODULES)
     module = reload()
@@ -241,7 +244,7 @@ def test_module_imports_without_the_frameworks(
 
 
 def test_a_broken_framework_counts_as_missing(
-    monkeypatch: pytest.MonkeyPatch, reload: Callable[[], types.ModuleType]
+    monkeypatch: pytest.MonkeyPatch, reload: Callable[[], Any]
 ) -> None:
     _without(monkeypatch, LIGHTNING_MODULES)
     monkeypatch.setitem(sys.modules, "transformers", _module("transformers"))  # no TrainerCallback
@@ -270,7 +273,7 @@ def test_a_ranks_gpu_is_its_frameworks_device_else_its_local_rank() -> None:
 
 
 def test_setup_tells_the_monitor_the_ranks_gpu_then_starts_the_optimizer(
-    monkeypatch: pytest.MonkeyPatch, reload: Callable[[], types.ModuleType]
+    monkeypatch: pytest.MonkeyPatch, reload: Callable[[], Any]
 ) -> None:
     _fake_transformers(monkeypatch)
     _without(monkeypatch, LIGHTNING_MODULES)
@@ -294,7 +297,7 @@ def test_setup_tells_the_monitor_the_ranks_gpu_then_starts_the_optimizer(
 
 
 def test_callbacks_pickle_as_their_optimizers_arguments(
-    monkeypatch: pytest.MonkeyPatch, reload: Callable[[], types.ModuleType]
+    monkeypatch: pytest.MonkeyPatch, reload: Callable[[], Any]
 ) -> None:
     # ddp_spawn pickles the trainer's callbacks to the ranks: the optimizer (locks, signal
     # handlers, this process's GPU settings) stays here; a rank makes its own at first use.
@@ -315,7 +318,7 @@ def test_module_is_restored_after_the_fakes() -> None:
     for name in HF_MODULES + LIGHTNING_MODULES:  # no fake left behind (fakes have no file)
         module = sys.modules.get(name)
         assert module is None or getattr(module, "__file__", None) is not None
-    base = integrations.HFGlobalPowerLimitOptimizer.__mro__[2]
+    base = hf.HFGlobalPowerLimitOptimizer.__mro__[2]
     assert base is not FakeTrainerCallback
     assert integrations.GlobalPowerLimitOptimizer is not Recorder
 
@@ -326,9 +329,9 @@ FAKE_FRAMEWORK = "raise SystemExit(3)  # imported: the test fails\n"
 @pytest.mark.parametrize(
     ("code", "imported"),
     [
-        ("import zeus_async.optimizer.integrations, zeus_async.optimizer", None),
-        ("from zeus_async.optimizer.integrations import HFGlobalPowerLimitOptimizer", "hf"),
-        ("from zeus_async.optimizer.lightning import LightningPowerLimitOptimizer", "lightning"),
+        ("import zeus_async.integrations._power_limit, zeus_async.optimizer", None),
+        ("from zeus_async.integrations.hf import HFGlobalPowerLimitOptimizer", "hf"),
+        ("from zeus_async.integrations.lightning import LightningPowerLimitOptimizer", "lightning"),
     ],
 )
 def test_frameworks_are_imported_only_by_their_own_callback(

@@ -1,12 +1,26 @@
-"""GPU energy in the Hugging Face ``Trainer``'s logs (imports transformers).
+"""Everything for the Hugging Face ``Trainer`` (imports transformers, never Lightning).
 
-``pip install 'zeus_async[hf]'``; see :mod:`zeus_async.integrations`::
+``pip install 'zeus_async[hf]'``. Two ``TrainerCallback`` classes:
+
+* :class:`EnergyCallback` — GPU energy in the Trainer's logs (see
+  :mod:`zeus_async.integrations`)::
 
     from zeus_async.integrations.hf import EnergyCallback
 
     trainer = Trainer(model, args, train_dataset=..., callbacks=[EnergyCallback()])
     trainer.train()
     trainer.state.log_history   # ..., {"loss": ..., "gpu_energy_j": ..., "gpu_power_w": ...}
+
+* :class:`HFGlobalPowerLimitOptimizer` — the power-limit optimizer, the drop-in for Zeus's
+  class of the same name (see :mod:`zeus_async.integrations._power_limit`)::
+
+    from zeus_async.integrations.hf import HFGlobalPowerLimitOptimizer
+
+    trainer = Trainer(..., callbacks=[HFGlobalPowerLimitOptimizer(monitor)])
+
+Both are here so that a Trainer's user has one module to import; it was
+``zeus_async.optimizer.hf`` for the optimizer, which still works, with a
+``DeprecationWarning``.
 """
 
 from __future__ import annotations
@@ -15,14 +29,15 @@ import logging
 import sys
 from typing import Any
 
-from ..optimizer import integrations
+from . import _power_limit
 from ._energy_log import EnergyCallbackBase
 
-__all__ = ["EnergyCallback"]
+__all__ = ["EnergyCallback", "HFGlobalPowerLimitOptimizer"]
 
 logger = logging.getLogger(__name__)
 
-_Base, _base_error = integrations.base_class(("transformers",), "TrainerCallback")
+#: The framework's callback class, resolved at import (``object`` when not available).
+_Base, _base_error = _power_limit.base_class(("transformers",), "TrainerCallback")
 
 MISSING = "EnergyCallback needs transformers: pip install 'zeus_async[hf]'"
 
@@ -51,7 +66,7 @@ class EnergyCallback(EnergyCallbackBase, _Base):  # type: ignore[misc,valid-type
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Training starts: the first interval opens, on this rank's GPU."""
         self._go_first(sys._getframe(1))
-        gpus, local_rank = integrations.hf_rank(args)
+        gpus, local_rank = _power_limit.hf_rank(args)
         self.energy.resolve(gpus, local_rank)
         self.energy.start()
 
@@ -87,3 +102,66 @@ class EnergyCallback(EnergyCallbackBase, _Base):  # type: ignore[misc,valid-type
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Training ends (after its final log): closes a monitor made here."""
         self.energy.finish()
+
+
+class HFGlobalPowerLimitOptimizer(_power_limit.OptimizerCallback, _Base):  # type: ignore[misc,valid-type]
+    """A Hugging Face ``TrainerCallback`` finding and applying the optimal GPU power limit.
+
+    Takes the arguments of :class:`~zeus_async.optimizer.GlobalPowerLimitOptimizer`, which it
+    wraps (``.optimizer``): ``on_step_begin`` and ``on_epoch_end`` are forwarded, and
+    ``on_train_end`` restores the maximum power limit (``optimizer.close()``).
+    ``on_train_begin`` gives a monitor made before the launcher said the rank this rank's
+    device (``args.device``) and starts the optimizer there (see
+    :mod:`~zeus_async.integrations._power_limit`).
+
+    Raises:
+        ImportError: ``transformers`` is not installed.
+        ValueError, NoPermissionError, ConfigError: As the wrapped optimizer.
+    """
+
+    _missing = "" if _base_error is None else _power_limit.HF_MISSING
+    _missing_error = _base_error
+
+    # ``model`` may come positionally, as Zeus's hooks take it (the Trainer passes keywords).
+
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
+        """Training starts (the ranks are launched): this rank's GPU, the optimizer on it."""
+        self._start(_power_limit.hf_rank(args))
+
+    def on_step_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
+        """The start of a training step."""
+        self.optimizer.on_step_begin()
+
+    def on_epoch_end(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
+        """The end of an epoch."""
+        self.optimizer.on_epoch_end()
+
+    def on_log(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Each logging step: the power limit in force (``power_limit_w``) and, once chosen,
+        ``optimal_power_limit_w``, in the Trainer's logs (``state.log_history``)."""
+        if logs is None:
+            return
+        metrics = _power_limit.power_limit_metrics(self.optimizer)
+        logs.update(metrics)  # the report_to integrations after this callback see them
+        history = getattr(state, "log_history", None)
+        if history and isinstance(history[-1], dict):
+            history[-1].update(metrics)  # the Trainer copied the logs there just before
+
+    def on_train_end(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
+        """The end of training: restore the maximum power limit."""
+        self.optimizer.close()

@@ -1,12 +1,27 @@
-"""GPU energy in PyTorch Lightning's logged metrics (imports Lightning).
+"""Everything for PyTorch Lightning (imports Lightning, never transformers).
 
-``pip install 'zeus_async[lightning]'``; see :mod:`zeus_async.integrations`::
+``pip install 'zeus_async[lightning]'``. Two ``Callback`` classes, from ``lightning.pytorch`` or,
+failing that, ``pytorch_lightning``:
+
+* :class:`EnergyCallback` — GPU energy in Lightning's logged metrics (see
+  :mod:`zeus_async.integrations`)::
 
     from zeus_async.integrations.lightning import EnergyCallback
 
     trainer = lightning.Trainer(callbacks=[EnergyCallback()], ...)
     trainer.fit(model)
     trainer.logged_metrics   # {"train_loss": ..., "gpu_energy_j": ..., "gpu_power_w": ...}
+
+* :class:`LightningPowerLimitOptimizer` — the power-limit optimizer (see
+  :mod:`zeus_async.integrations._power_limit`)::
+
+    from zeus_async.integrations.lightning import LightningPowerLimitOptimizer
+
+    trainer = lightning.Trainer(callbacks=[LightningPowerLimitOptimizer(monitor)], ...)
+
+Both are here so that a Lightning user has one module to import; it was
+``zeus_async.optimizer.lightning`` for the optimizer, which still works, with a
+``DeprecationWarning``.
 """
 
 from __future__ import annotations
@@ -14,14 +29,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..optimizer import integrations
+from . import _power_limit
 from ._energy_log import EnergyCallbackBase
 
-__all__ = ["EnergyCallback"]
+__all__ = ["EnergyCallback", "LightningPowerLimitOptimizer"]
 
 logger = logging.getLogger(__name__)
 
-_Base, _base_error = integrations.base_class(("lightning.pytorch", "pytorch_lightning"), "Callback")
+#: The framework's callback class, resolved at import (``object`` when not available).
+_Base, _base_error = _power_limit.base_class(("lightning.pytorch", "pytorch_lightning"), "Callback")
 
 MISSING = "EnergyCallback needs lightning: pip install 'zeus_async[lightning]'"
 
@@ -53,7 +69,7 @@ class EnergyCallback(EnergyCallbackBase, _Base):  # type: ignore[misc,valid-type
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """The ranks are launched: the monitor measures this rank's GPU (``ddp``'s rank 0
         made it before the launcher; see :meth:`~zeus_async.integrations.EnergyLog.resolve`)."""
-        gpus, local_rank = integrations.lightning_rank(trainer)
+        gpus, local_rank = _power_limit.lightning_rank(trainer)
         self.energy.resolve(gpus, local_rank)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -79,3 +95,56 @@ class EnergyCallback(EnergyCallbackBase, _Base):  # type: ignore[misc,valid-type
             trainer.callback_metrics[name] = torch.tensor(value)
         for logger_ in getattr(trainer, "loggers", []):
             logger_.log_metrics(metrics, step=trainer.global_step)
+
+
+class LightningPowerLimitOptimizer(_power_limit.OptimizerCallback, _Base):  # type: ignore[misc,valid-type]
+    """A PyTorch Lightning ``Callback`` finding and applying the optimal GPU power limit.
+
+    Takes the arguments of :class:`~zeus_async.optimizer.GlobalPowerLimitOptimizer`, which it
+    wraps (``.optimizer``): ``on_train_batch_start`` is a step, ``on_train_epoch_end`` an
+    epoch's end, and ``on_train_end`` or ``on_exception`` restore the maximum power limit
+    (``optimizer.close()``). Each rank of a distributed run has its own callback.
+
+    ``setup`` (the ranks are launched) gives a monitor made before the launcher said the rank
+    (``ddp``: rank 0 is the script's own process) this rank's device, and starts the optimizer
+    there: until then no GPU is touched. Under ``ddp_spawn`` the callback is pickled to each
+    rank, which makes its own monitor and optimizer from their arguments.
+
+    Raises:
+        ImportError: Neither ``lightning`` nor ``pytorch_lightning`` is installed.
+        ValueError, NoPermissionError, ConfigError: As the wrapped optimizer.
+    """
+
+    _missing = "" if _base_error is None else _power_limit.LIGHTNING_MISSING
+    _missing_error = _base_error
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """The ranks are launched: this rank's GPU, and the optimizer starts on it."""
+        if stage == "fit":
+            self._start(_power_limit.lightning_rank(trainer))
+
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """The start of a training step."""
+        self.optimizer.on_step_begin()
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """The power limit in force (``power_limit_w``) and, once chosen,
+        ``optimal_power_limit_w``, in the logged metrics."""
+        for name, value in _power_limit.power_limit_metrics(self.optimizer).items():
+            pl_module.log(name, value, on_step=True, on_epoch=False, rank_zero_only=True)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        """The end of a training epoch."""
+        self.optimizer.on_epoch_end()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """The end of training: restore the maximum power limit."""
+        self.optimizer.close()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """Training failed: restore the maximum power limit."""
+        self.optimizer.close()

@@ -1,71 +1,30 @@
-"""The PyTorch Lightning ``Callback`` of the power-limit optimizer (imports Lightning).
+"""Deprecated: the Lightning power-limit callback is in :mod:`zeus_async.integrations.lightning`.
 
-``pip install 'zeus_async[lightning]'``; see :mod:`zeus_async.optimizer.integrations`.
+``from zeus_async.optimizer.lightning import LightningPowerLimitOptimizer`` still gives the
+same class, with a :class:`DeprecationWarning` naming the new path: a Lightning user now
+imports everything for it (energy in the logs too) from one module. Importing this module
+imports nothing; the name, looked up, imports its new module (and Lightning with it).
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+import warnings
 from typing import Any
-
-from . import integrations
-
-__all__ = ["LightningPowerLimitOptimizer"]
 
 logger = logging.getLogger(__name__)
 
-#: The framework's callback class, resolved at import (``object`` when not available).
-_Base, _base_error = integrations.base_class(("lightning.pytorch", "pytorch_lightning"), "Callback")
+#: Each name this module had, and the module it is now in.
+_MOVED = {"LightningPowerLimitOptimizer": "zeus_async.integrations.lightning"}
 
 
-class LightningPowerLimitOptimizer(integrations.OptimizerCallback, _Base):  # type: ignore[misc,valid-type]
-    """A PyTorch Lightning ``Callback`` finding and applying the optimal GPU power limit.
-
-    Takes the arguments of :class:`~.power_limit.GlobalPowerLimitOptimizer`, which it wraps
-    (``.optimizer``): ``on_train_batch_start`` is a step, ``on_train_epoch_end`` an epoch's
-    end, and ``on_train_end`` or ``on_exception`` restore the maximum power limit
-    (``optimizer.close()``). Each rank of a distributed run has its own callback.
-
-    ``setup`` (the ranks are launched) gives a monitor made before the launcher said the rank
-    (``ddp``: rank 0 is the script's own process) this rank's device, and starts the optimizer
-    there: until then no GPU is touched. Under ``ddp_spawn`` the callback is pickled to each
-    rank, which makes its own monitor and optimizer from their arguments.
-
-    Raises:
-        ImportError: Neither ``lightning`` nor ``pytorch_lightning`` is installed.
-        ValueError, NoPermissionError, ConfigError: As the wrapped optimizer.
-    """
-
-    _missing = "" if _base_error is None else integrations.LIGHTNING_MISSING
-    _missing_error = _base_error
-
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        """The ranks are launched: this rank's GPU, and the optimizer starts on it."""
-        if stage == "fit":
-            self._start(integrations.lightning_rank(trainer))
-
-    def on_train_batch_start(
-        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
-    ) -> None:
-        """The start of a training step."""
-        self.optimizer.on_step_begin()
-
-    def on_train_batch_end(
-        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        """The power limit in force (``power_limit_w``) and, once chosen,
-        ``optimal_power_limit_w``, in the logged metrics."""
-        for name, value in integrations.power_limit_metrics(self.optimizer).items():
-            pl_module.log(name, value, on_step=True, on_epoch=False, rank_zero_only=True)
-
-    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        """The end of a training epoch."""
-        self.optimizer.on_epoch_end()
-
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        """The end of training: restore the maximum power limit."""
-        self.optimizer.close()
-
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        """Training failed: restore the maximum power limit."""
-        self.optimizer.close()
+def __getattr__(name: str) -> Any:
+    """A moved name, from its new module, warning the caller (``stacklevel=2``: its line)."""
+    new = _MOVED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"{__name__}.{name} moved: import it from {new}", DeprecationWarning, stacklevel=2
+    )
+    return getattr(importlib.import_module(new), name)
