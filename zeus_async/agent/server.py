@@ -40,6 +40,7 @@ from .._paths import private_dir
 from ..errors import ConfigError, sole_exception
 from ..events import Measurement
 from ..runtime.runtime import Runtime
+from ..store.window_log import window_log_consumer
 from .journal import lock_held
 from .protocol import AgentConfig, Bye, Control, Edge, Hello, Reply, error_reply_fields
 
@@ -486,8 +487,6 @@ async def _run_runtime(
     processes: Any,
     ready_line: bool,
 ) -> int | None:
-    from ..monitor import window_log_consumer
-
     if True:
         async with Runtime(
             backend=cfg.backend,

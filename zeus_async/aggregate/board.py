@@ -41,15 +41,18 @@ import re
 import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..events import Measurement
 from .history import LATE_FACTOR, EnergyEstimate, window_measurement
 
-if TYPE_CHECKING:
-    from .windows import WindowResult
-
-__all__ = ["BoardReader", "PowerBoard", "provisional_measurement", "sweep_stale_boards"]
+__all__ = [
+    "BoardReader",
+    "ClosedWindow",
+    "PowerBoard",
+    "provisional_measurement",
+    "sweep_stale_boards",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -407,9 +410,27 @@ class _Torn(Exception):
     """An entry changed while it was read."""
 
 
+class ClosedWindow(Protocol):
+    """What the board needs of a window to estimate it: its name and span. A
+    :class:`~zeus_async.aggregate.windows.WindowResult` is one; naming only these keeps the
+    board below the window tracker that reads it (no import back up)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def window_id(self) -> int: ...
+
+    @property
+    def start_ns(self) -> int: ...
+
+    @property
+    def end_ns(self) -> int: ...
+
+
 def provisional_measurement(
     reader: BoardReader,
-    window: WindowResult,
+    window: ClosedWindow,
     keys: Mapping[str, str],
     *,
     host: str,

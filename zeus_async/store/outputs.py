@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..errors import ConfigError
-from .recorder import recording_parts
+from .format import recording_parts
 
 __all__ = ["claim_output"]
 

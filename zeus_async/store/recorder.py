@@ -42,6 +42,7 @@ from .format import (
     rotated_path,
     seal_frame,
 )
+from .outputs import claim_output
 
 __all__ = ["Recorder", "recording_parts", "rotated_path", "write_recording"]
 
@@ -211,8 +212,6 @@ class Recorder:
             raise ConfigError(f"flush_interval_s must be positive, got {flush_interval_s!r}")
         if rotate_bytes is not None and rotate_bytes < 4096:
             raise ConfigError(f"rotate_bytes must be at least 4096, got {rotate_bytes!r}")
-        from .outputs import claim_output
-
         self.path = claim_output(
             path,
             overwrite=overwrite,
@@ -478,8 +477,6 @@ def write_recording(
     encoder = EventEncoder()
     header = header if header is not None else default_header()
     codec = PayloadCodec(header.compression)
-    from .outputs import claim_output
-
     path = claim_output(
         path, overwrite=overwrite, what="recording", recording=True, force_hint="overwrite=True"
     )

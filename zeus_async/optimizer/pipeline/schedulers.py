@@ -22,6 +22,7 @@ requests of other jobs.
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import json
 import logging
@@ -29,7 +30,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -49,7 +50,6 @@ from .planner import (
     check_p_block,
     plan_frontier,
 )
-from .settings import PfoSettings
 
 __all__ = [
     "SCHEDULERS",
@@ -61,11 +61,24 @@ __all__ = [
     "PointSolution",
     "PointSolution3D",
     "make_3d_parallel",
+    "scheduler_class",
 ]
 
 logger = logging.getLogger(__name__)
 
 ScheduleGen = Generator[list[FrequencySchedule], list[ProfilingResult], None]
+
+
+class SchedulerSettings(Protocol):
+    """What a scheduler reads of the server's settings (the server passes its
+    :class:`~.settings.PfoSettings`). Named here so the schedulers sit below the settings that
+    choose among them: the settings import the schedulers, never the other way round."""
+
+    @property
+    def dump_data(self) -> bool: ...
+
+    @property
+    def dump_dir(self) -> str: ...
 
 
 class FrequencyScheduler(ABC):
@@ -78,7 +91,7 @@ class FrequencyScheduler(ABC):
     """
 
     def __init__(
-        self, job_info: JobInfo, rank_infos: list[RankInfo], pfo_settings: PfoSettings
+        self, job_info: JobInfo, rank_infos: list[RankInfo], pfo_settings: SchedulerSettings
     ) -> None:
         self.job_info = job_info
         self.rank_infos = sorted(rank_infos, key=lambda info: info.rank)
@@ -187,7 +200,7 @@ def make_3d_parallel(
             self,
             job_info: JobInfo,
             rank_infos: list[RankInfo],
-            pfo_settings: PfoSettings,
+            pfo_settings: SchedulerSettings,
             *args: Any,
             **kwargs: Any,
         ) -> None:
@@ -325,7 +338,7 @@ class PointSolution(FrequencyScheduler):
         self,
         job_info: JobInfo,
         rank_infos: list[RankInfo],
-        pfo_settings: PfoSettings,
+        pfo_settings: SchedulerSettings,
         solution_path: str,
     ) -> None:
         plan = read_plan(solution_path)
@@ -452,7 +465,7 @@ class InstructionProfiler(FrequencyScheduler):
         self,
         job_info: JobInfo,
         rank_infos: list[RankInfo],
-        pfo_settings: PfoSettings,
+        pfo_settings: SchedulerSettings,
         num_microbatches: int,
         pipeline: str = "1f1b",
         frequency_step: int = 1,
@@ -618,7 +631,7 @@ class FrontierPlanner(InstructionProfiler):
         self,
         job_info: JobInfo,
         rank_infos: list[RankInfo],
-        pfo_settings: PfoSettings,
+        pfo_settings: SchedulerSettings,
         num_microbatches: int,
         pipeline: str = "1f1b",
         frequency_step: int = 1,
@@ -711,3 +724,28 @@ SCHEDULERS: dict[str, type[FrequencyScheduler]] = {
         FrontierPlanner3D,
     )
 }
+
+
+def scheduler_class(name: str) -> type[FrequencyScheduler]:
+    """The scheduler ``name`` names: a key of :data:`SCHEDULERS`, or ``package.module:Class``
+    for your own :class:`FrequencyScheduler` subclass.
+
+    Raises:
+        ConfigError: An unknown name, or one that does not load or is not a scheduler.
+    """
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            found = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"cannot load scheduler {name!r}: {exc}") from None
+        if not (isinstance(found, type) and issubclass(found, FrequencyScheduler)):
+            raise ConfigError(f"{name!r} is not a FrequencyScheduler subclass")
+        return found
+    try:
+        return SCHEDULERS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown scheduler {name!r}; known: {', '.join(sorted(SCHEDULERS))} "
+            "(or 'package.module:Class')"
+        ) from None

@@ -45,21 +45,18 @@ the first job.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import logging
 import math
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from ...errors import ConfigError
-
-if TYPE_CHECKING:
-    from .schedulers import FrequencyScheduler
+from .schedulers import FrequencyScheduler, scheduler_class
 
 __all__ = ["ENV_PREFIX", "PfoSettings"]
 
@@ -154,25 +151,8 @@ class PfoSettings(msgspec.Struct, kw_only=True, frozen=True):
         return load_server_keys(self.curve_secret, allowed_clients_dir=self.curve_allow)
 
     def scheduler_class(self) -> type[FrequencyScheduler]:
-        """The scheduler class this setting names."""
-        from .schedulers import SCHEDULERS, FrequencyScheduler
-
-        if ":" in self.scheduler:
-            module_name, _, attr = self.scheduler.partition(":")
-            try:
-                found = getattr(importlib.import_module(module_name), attr)
-            except (ImportError, AttributeError) as exc:
-                raise ConfigError(f"cannot load scheduler {self.scheduler!r}: {exc}") from None
-            if not (isinstance(found, type) and issubclass(found, FrequencyScheduler)):
-                raise ConfigError(f"{self.scheduler!r} is not a FrequencyScheduler subclass")
-            return found
-        try:
-            return SCHEDULERS[self.scheduler]
-        except KeyError:
-            raise ConfigError(
-                f"unknown scheduler {self.scheduler!r}; known: {', '.join(sorted(SCHEDULERS))} "
-                "(or 'package.module:Class')"
-            ) from None
+        """The scheduler class this setting names (see :func:`.schedulers.scheduler_class`)."""
+        return scheduler_class(self.scheduler)
 
     def check_scheduler_args(self, scheduler: type[FrequencyScheduler]) -> None:
         """Raise ``ConfigError`` unless ``scheduler_args`` fit ``scheduler``'s constructor."""
