@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [
     ROOT / "zeus_async" / "aggregate" / "history.py",
     ROOT / "zeus_async" / "aggregate" / "live.py",
-    ROOT / "zeus_async" / "store" / "analysis.py",
+    *sorted((ROOT / "zeus_async" / "store" / "analysis").glob("*.py")),
 ]
 NAME = re.compile(r"^(counter|integrated|unavailable)[a-z+]*$")
 SUFFIX = re.compile(r"^, [a-z]+$")

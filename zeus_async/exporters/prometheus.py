@@ -52,26 +52,22 @@ Scrapes are fast: with the exporter's own registry, :meth:`PrometheusExporter.re
 HTTP server write the text format straight from a snapshot of the dicts, with the label part of
 every series rendered once when the series appears; the output is byte for byte what
 ``prometheus_client.generate_latest`` writes for the same collector, about 9x faster
-(``bench/bench_exporter.py``: 3,454 series, 8 GPUs x 50 pids, render in ~3 ms).
+(``bench/observability/bench_exporter.py``: 3,454 series, 8 GPUs x 50 pids, render in ~3 ms).
+
+The metric families, the rows of series and the text format are in :mod:`.prometheus_families`;
+the HTTP server behind :meth:`PrometheusExporter.serve`, bounded against hostile clients, in
+:mod:`.prometheus_server`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import io
 import logging
-import selectors
-import socket
 import threading
-import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from operator import attrgetter
-from typing import Any, Final, NamedTuple, cast
+from typing import Any
 from urllib.parse import parse_qs
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIServer, make_server
 
 import anyio.abc
 from prometheus_client import CollectorRegistry, generate_latest
@@ -80,7 +76,6 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Sample
 
 from .._exit import ClosedOnExit
-from ..devices.base import GPU_FIELDS
 from ..errors import ConfigError
 from ..events import (
     Event,
@@ -94,340 +89,37 @@ from ..events import (
 )
 from ..runtime.hub import EventBatches, feed_batches
 from .names import DEFAULT_PORT, NAME_SETS
+from .prometheus_families import (
+    _DCGM_FAMILIES,
+    _EXPORTER_FAMILIES,
+    _GPU_FAMILIES,
+    _GPU_FIELDS,
+    _MEMORY_KINDS,
+    _PROC_FAMILIES,
+    _PROC_FIELDS,
+    _PROC_GPU_FAMILIES,
+    _PROC_GPU_FIELDS,
+    _RAPL_FAMILIES,
+    _RAPL_FIELDS,
+    _WINDOW_DEVICE_FAMILIES,
+    _WINDOW_FAMILIES,
+    _Family,
+    _go_float,
+    _gpu_values,
+    _labels,
+    _proc_gpu_values,
+    _proc_values,
+    _Row,
+    _Snapshot,
+)
+from .prometheus_server import _MAX_REQUEST_BYTES as _MAX_REQUEST_BYTES
+from .prometheus_server import _best_family, _QuietHandler
+from .prometheus_server import _Server as _Server
 
 __all__ = ["DEFAULT_PORT", "NAME_SETS", "PrometheusExporter"]
 
 
 logger = logging.getLogger(__name__)
-
-_INF: Final = float("inf")
-
-# -- metric families ------------------------------------------------------------------------------
-
-
-class _Family(NamedTuple):
-    """One metric family: where its values come from in a table's rows.
-
-    ``parts`` lists ``(value index, label variant)`` pairs: each row contributes one sample per
-    part whose value is known (``zeus_process_memory_bytes`` has three parts, one per ``kind``).
-    """
-
-    name: str  # name of the samples (``..._total`` for counters)
-    family: str  # name of the family (counters without ``_total``, as prometheus_client has it)
-    kind: str  # "gauge" or "counter"
-    unit: str  # OpenMetrics unit ("" when none)
-    help: str
-    parts: tuple[tuple[int, int], ...]
-    header: str  # the "# HELP" and "# TYPE" lines of the text format
-    scale: float = 1.0  # exported value = stored value x scale (DCGM's units)
-
-
-def _family(
-    name: str, kind: str, unit: str, help: str, *parts: tuple[int, int], scale: float = 1.0
-) -> _Family:
-    family = name.removesuffix("_total") if kind == "counter" else name
-    doc = help.replace("\\", r"\\").replace("\n", r"\n")
-    header = f"# HELP {name} {doc}\n# TYPE {name} {kind}\n"
-    return _Family(name, family, kind, unit, help, parts, header, scale)
-
-
-def _gauge(name: str, unit: str, help: str, index: int) -> _Family:
-    return _family(name, "gauge", unit, help, (index, 0))
-
-
-def _counter(name: str, unit: str, help: str, index: int) -> _Family:
-    return _family(name, "counter", unit, help, (index, 0))
-
-
-_GPU_FIELDS: Final = GPU_FIELDS  # the family order below follows it
-_GPU_FAMILIES: Final = (
-    _gauge("zeus_gpu_power_watts", "watts", "GPU power draw (NVML instant power), in watts.", 0),
-    _gauge(
-        "zeus_gpu_average_power_watts",
-        "watts",
-        "GPU power averaged by the driver (about 1 s), in watts.",
-        1,
-    ),
-    _counter(
-        "zeus_gpu_energy_joules_total",
-        "joules",
-        "GPU energy counter (since the driver loaded), in joules.",
-        2,
-    ),
-    _gauge("zeus_gpu_temperature_celsius", "celsius", "GPU core temperature, in celsius.", 3),
-    _gauge("zeus_gpu_sm_clock_hertz", "hertz", "GPU SM clock, in hertz.", 4),
-    _gauge(
-        "zeus_gpu_utilization_ratio",
-        "ratio",
-        "GPU utilization: fraction of time a kernel ran, ratio 0..1.",
-        5,
-    ),
-    _gauge("zeus_gpu_memory_used_bytes", "bytes", "GPU memory in use, in bytes.", 6),
-    _gauge("zeus_gpu_power_limit_watts", "watts", "GPU power limit in force, in watts.", 7),
-)
-
-#: The same GPU fields under dcgm-exporter's names, units and types (``names="dcgm"``), so
-#: dashboards made for it (Grafana 12239) work unchanged. Its energy counter has no ``_total``.
-_DCGM_FAMILIES: Final = (
-    _family("DCGM_FI_DEV_POWER_USAGE", "gauge", "", "Power draw (in W).", (0, 0)),
-    _family(
-        "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
-        "counter",
-        "",
-        "Total energy consumption since boot (in mJ).",
-        (2, 0),
-        scale=1e3,
-    ),
-    _family("DCGM_FI_DEV_GPU_TEMP", "gauge", "", "GPU temperature (in C).", (3, 0)),
-    _family(
-        "DCGM_FI_DEV_SM_CLOCK", "gauge", "", "SM clock frequency (in MHz).", (4, 0), scale=1e-6
-    ),
-    _family("DCGM_FI_DEV_GPU_UTIL", "gauge", "", "GPU utilization (in %).", (5, 0), scale=100.0),
-    _family(
-        "DCGM_FI_DEV_FB_USED",
-        "gauge",
-        "",
-        "Framebuffer memory used (in MiB).",
-        (6, 0),
-        scale=1 / 2**20,
-    ),
-    _family("DCGM_FI_DEV_POWER_MGMT_LIMIT", "gauge", "", "Power management limit (in W).", (7, 0)),
-)
-
-_EXPORTER_FAMILIES: Final = (
-    _family(
-        "zeus_exporter_evicted_series_total",
-        "counter",
-        "",
-        "Series dropped by the exporter: window names past the cap or idle past the TTL "
-        "(kind=window), processes gone stale (kind=process).",
-        (0, 0),
-    ),
-)
-
-_RAPL_FIELDS: Final = ("power_w", "energy_j")
-_RAPL_FAMILIES: Final = (
-    _gauge(
-        "zeus_rapl_power_watts",
-        "watts",
-        "RAPL domain power: mean since the previous sample, in watts.",
-        0,
-    ),
-    _counter(
-        "zeus_rapl_energy_joules_total",
-        "joules",
-        "RAPL domain energy since the sampler started, in joules.",
-        1,
-    ),
-)
-
-_PROC_FIELDS: Final = (
-    "cpu_frac",
-    "cpu_share_frac",
-    "memory_rss_bytes",
-    "memory_pss_bytes",
-    "memory_uss_bytes",
-    "memory_frac",
-    "cpu_power_w",
-    "cpu_energy_j",
-    "dram_power_w",
-    "dram_energy_j",
-)
-#: Label variants of host-side process rows: 0 = (host, pid), then one per memory ``kind``.
-_MEMORY_KINDS: Final = ("rss", "pss", "uss")
-_PROC_FAMILIES: Final = (
-    _gauge(
-        "zeus_process_cpu_ratio",
-        "ratio",
-        "Process CPU time over wall time x logical CPUs (share of the machine), ratio 0..1.",
-        0,
-    ),
-    _gauge(
-        "zeus_process_cpu_share_ratio",
-        "ratio",
-        "Process CPU time over the CPU time used by the whole machine, ratio 0..1.",
-        1,
-    ),
-    _family(
-        "zeus_process_memory_bytes",
-        "gauge",
-        "bytes",
-        "Process memory by kind (rss: resident, pss: proportional, uss: unique set size), "
-        "in bytes.",
-        (2, 1),
-        (3, 2),
-        (4, 3),
-    ),
-    _gauge(
-        "zeus_process_memory_ratio",
-        "ratio",
-        "Process PSS (RSS when PSS is unknown) over physical memory, ratio 0..1.",
-        5,
-    ),
-    _gauge(
-        "zeus_process_cpu_power_watts",
-        "watts",
-        "RAPL package power attributed to the process by CPU share, in watts.",
-        6,
-    ),
-    _counter(
-        "zeus_process_cpu_energy_joules_total",
-        "joules",
-        "RAPL package energy attributed to the process since it was first sampled, in joules.",
-        7,
-    ),
-    _gauge(
-        "zeus_process_dram_power_watts",
-        "watts",
-        "RAPL DRAM power attributed to the process by memory share, in watts.",
-        8,
-    ),
-    _counter(
-        "zeus_process_dram_energy_joules_total",
-        "joules",
-        "RAPL DRAM energy attributed to the process since it was first sampled, in joules.",
-        9,
-    ),
-)
-
-_PROC_GPU_FIELDS: Final = (
-    "gpu_sm_frac",
-    "gpu_memory_bytes",
-    "gpu_sm_share_frac",
-    "gpu_memory_share_frac",
-    "gpu_power_share_frac",
-    "attributed_power_w",
-    "attributed_energy_j",
-)
-_PROC_GPU_FAMILIES: Final = (
-    _gauge(
-        "zeus_process_gpu_sm_ratio",
-        "ratio",
-        "SM utilization of the process on the GPU (NVML process samples), ratio 0..1.",
-        0,
-    ),
-    _gauge(
-        "zeus_process_gpu_memory_bytes", "bytes", "GPU memory held by the process, in bytes.", 1
-    ),
-    _gauge(
-        "zeus_process_gpu_sm_share_ratio",
-        "ratio",
-        "Process SM utilization over that of all tracked processes on the GPU, ratio 0..1.",
-        2,
-    ),
-    _gauge(
-        "zeus_process_gpu_memory_share_ratio",
-        "ratio",
-        "Process GPU memory over that of all tracked processes on the GPU, ratio 0..1.",
-        3,
-    ),
-    _gauge(
-        "zeus_process_gpu_power_share_ratio",
-        "ratio",
-        "Share of the GPU power attributed to the process, ratio 0..1.",
-        4,
-    ),
-    _gauge(
-        "zeus_process_gpu_power_watts",
-        "watts",
-        "GPU power attributed to the process, in watts.",
-        5,
-    ),
-    _counter(
-        "zeus_process_gpu_energy_joules_total",
-        "joules",
-        "GPU energy attributed to the process since it was first sampled there, in joules.",
-        6,
-    ),
-)
-
-_WINDOW_FAMILIES: Final = (
-    _gauge(
-        "zeus_window_duration_seconds",
-        "seconds",
-        "Duration of the latest finished window of this name, in seconds.",
-        0,
-    ),
-    _counter("zeus_windows_total", "", "Finished measurement windows of this name.", 1),
-)
-_WINDOW_DEVICE_FAMILIES: Final = (
-    _gauge(
-        "zeus_window_last_energy_joules",
-        "joules",
-        "Energy of a device in the latest finished window of this name, in joules.",
-        0,
-    ),
-    _counter(
-        "zeus_window_energy_joules_total",
-        "joules",
-        "Energy of a device summed over every finished window of this name, in joules.",
-        1,
-    ),
-)
-
-_gpu_values = attrgetter(*_GPU_FIELDS)
-_proc_values = attrgetter(*_PROC_FIELDS)
-_proc_gpu_values = attrgetter(*_PROC_GPU_FIELDS)
-
-
-# -- state --------------------------------------------------------------------------------------
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
-
-
-def _labels(*variants: dict[str, str]) -> tuple[tuple[dict[str, str], ...], tuple[str, ...]]:
-    """Label dicts and their text form (``a="1",b="2"``: sorted, escaped, as generate_latest)."""
-    texts = tuple(
-        ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items())) for labels in variants
-    )
-    return variants, texts
-
-
-class _Row:
-    """One series group: the latest values of a label set's fields, and its label texts.
-
-    Attributes:
-        labels: Label dicts, one per variant (shared by the samples of every scrape).
-        texts: The same labels in text form (``host="h",pid="1"``), one per variant.
-        values: Latest value of each field (``None`` while never seen).
-        t_ns: Event time of the latest update.
-    """
-
-    __slots__ = ("labels", "t_ns", "texts", "values")
-
-    def __init__(
-        self,
-        labels: tuple[tuple[dict[str, str], ...], tuple[str, ...]],
-        size: int,
-        t_ns: int,
-    ) -> None:
-        self.labels, self.texts = labels
-        self.values: list[float | None] = [None] * size
-        self.t_ns = t_ns
-
-
-_Snapshot = list[tuple[tuple[_Family, ...], list[tuple[_Row, list[float | None]]]]]
-
-
-def _go_float(value: float) -> str:
-    """A float as the Prometheus text format writes it (``prometheus_client.utils``' rules)."""
-    d = float(value)
-    if -_INF < d < 1e6:  # the common case: Python's repr is Go's
-        return repr(d)
-    if d != d:
-        return "NaN"
-    if d == _INF:
-        return "+Inf"
-    if d == -_INF:
-        return "-Inf"
-    s = repr(d)
-    dot = s.find(".")
-    if dot > 6:  # Go switches to exponents sooner than Python: 1234567.0 is 1.234567e+06
-        mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1 :]}".rstrip("0.")
-        return f"{mantissa}e+{dot - 1:02d}"
-    return s
 
 
 class PrometheusExporter(ClosedOnExit):
@@ -759,7 +451,7 @@ class PrometheusExporter(ClosedOnExit):
         ``name[]`` filter, and every request when a registry was given, are answered by
         prometheus_client's own WSGI app (content negotiation, OpenMetrics, gzip).
 
-        Hostile or broken clients cannot delay a scrape (``bench/bench_scrape_hostile.py``):
+        Hostile or broken clients cannot delay a scrape (``bench/hostile/bench_scrape_hostile.py``):
         one thread reads requests and writes answers without blocking, and 4 workers only
         see complete requests. A request must be complete within 10 s of the connect, in all
         (a client trickling bytes is cut then), and at most 16 KiB (else 431); an answer must
@@ -844,276 +536,3 @@ class PrometheusExporter(ClosedOnExit):
             server.server_close()
         if thread is not None:
             thread.join(timeout=5.0)
-
-
-#: Threads answering requests, at most (a scrape takes a few ms: Prometheus needs one).
-_WORKERS = 4
-#: Seconds a connection has, from its accept, to send a complete request (headers), in all:
-#: a client that trickles bytes is closed then, however often it sends.
-_IDLE_TIMEOUT_S = 10.0
-#: Seconds a response may take to be written out, in all (a client that does not read).
-_WRITE_TIMEOUT_S = 10.0
-#: Open connections, at most, in all and per peer address; a connection beyond closes the
-#: oldest one still waiting for its request (or is closed itself when none is).
-_MAX_CONNECTIONS = 512
-_MAX_PER_PEER = 32
-#: Longest request (request line and headers) read; a longer one is answered 431 and closed.
-_MAX_REQUEST_BYTES = 16384
-
-_READING, _WORKING, _WRITING = range(3)
-_TOO_LARGE = (
-    b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Length: 0\r\n"
-    b"Connection: close\r\n\r\n"
-)
-
-
-class _Conn:
-    """One client connection of :class:`_Server`, and where its request stands."""
-
-    __slots__ = ("address", "buf", "deadline", "out", "peer", "sock", "state")
-
-    def __init__(self, sock: socket.socket, address: Any, deadline: float) -> None:
-        self.sock = sock
-        self.address = address
-        self.peer = str(address[0]) if isinstance(address, tuple) else str(address)
-        self.deadline = deadline
-        self.state = _READING
-        self.buf = bytearray()  # the request, as read so far
-        self.out = memoryview(b"")  # the response, what is left to write
-
-
-class _Server(WSGIServer):
-    """A WSGI server that slow, idle or numerous clients cannot hold up.
-
-    One thread owns every socket: it accepts connections, reads each request without
-    blocking until its headers are complete, and writes each response without blocking; the
-    pool of :data:`_WORKERS` threads only turns complete requests into responses (in
-    memory), so no client can tie a worker up. Bounds, each closing the connection:
-
-    * a request must be complete within ``idle_timeout_s`` of the accept, in all (a client
-      trickling a byte every few seconds, "slowloris", is cut then), and a response written
-      within ``write_timeout_s``;
-    * a request longer than ``max_request_bytes`` is answered 431;
-    * at most ``max_connections`` connections in all and ``max_per_peer`` per peer address:
-      one more closes the oldest of them still waiting for its request (or is closed itself).
-
-    So 2,000 idle clients or 64 trickling ones cost sockets and no thread, and a scrape is
-    answered at once (prometheus_client's server keeps a thread per connection; ours before
-    gave a connection to a worker at its first byte, and 8 trickling clients held all 4).
-    """
-
-    idle_timeout_s = _IDLE_TIMEOUT_S
-    write_timeout_s = _WRITE_TIMEOUT_S
-    max_connections = _MAX_CONNECTIONS
-    max_per_peer = _MAX_PER_PEER
-    max_request_bytes = _MAX_REQUEST_BYTES
-    request_queue_size = _MAX_CONNECTIONS  # the listen backlog (socketserver's default is 5)
-
-    def server_activate(self) -> None:
-        super().server_activate()
-        self.socket.setblocking(False)  # accept until none is pending
-        self._pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="zeus-prometheus-req")
-        self._selector: selectors.BaseSelector = selectors.DefaultSelector()
-        self._conns: dict[socket.socket, _Conn] = {}  # in the order accepted
-        self._per_peer: dict[str, int] = {}
-        # Responses made by the workers, for the selector thread to write; a byte on the
-        # socket pair wakes it.
-        self._done: deque[_Conn] = deque()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self._stop = threading.Event()
-        self._stopped = threading.Event()
-        #: Connections closed without a complete request: past the deadline, or to make room
-        #: (figures for tests).
-        self.idle_closed = 0
-        #: Of those, closed to make room (or refused) under the connection caps.
-        self.evicted = 0
-        #: Requests longer than ``max_request_bytes``.
-        self.oversized = 0
-
-    def serve_forever(self, poll_interval: float = 0.1) -> None:
-        selector = self._selector
-        selector.register(self.socket, selectors.EVENT_READ)
-        selector.register(self._wake_r, selectors.EVENT_READ)
-        try:
-            while not self._stop.is_set():
-                for key, events in selector.select(poll_interval):
-                    if key.fileobj is self.socket:
-                        self._accept()
-                    elif key.fileobj is self._wake_r:
-                        self._take_responses()
-                    else:
-                        conn = cast(_Conn, key.data)
-                        if conn.sock not in self._conns:
-                            continue  # closed earlier in this round
-                        if events & selectors.EVENT_READ and conn.state == _READING:
-                            self._read(conn)
-                        elif events & selectors.EVENT_WRITE and conn.state == _WRITING:
-                            self._write(conn)
-                self._expire(time.monotonic())
-        finally:
-            for conn in list(self._conns.values()):
-                self._close(conn)
-            selector.close()
-            self._stopped.set()
-
-    # -- connections (selector thread) -----------------------------------------------------------
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, address = self.get_request()
-            except OSError:  # none pending (BlockingIOError), or a failed accept
-                return
-            sock.setblocking(False)
-            self._admit(sock, address)
-
-    def _admit(self, sock: socket.socket, address: Any) -> None:
-        conn = _Conn(sock, address, time.monotonic() + self.idle_timeout_s)
-        room = self._per_peer.get(conn.peer, 0) < self.max_per_peer or self._evict(conn.peer)
-        room = room and (len(self._conns) < self.max_connections or self._evict(None))
-        if not room:  # every connection is being answered: refuse this one
-            self.evicted += 1
-            self.idle_closed += 1
-            self.shutdown_request(sock)
-            return
-        self._conns[sock] = conn
-        self._per_peer[conn.peer] = self._per_peer.get(conn.peer, 0) + 1
-        self._selector.register(sock, selectors.EVENT_READ, conn)
-
-    def _evict(self, peer: str | None) -> bool:
-        """Close the oldest connection still waiting for its request (of ``peer``, if given)."""
-        for conn in self._conns.values():
-            if conn.state == _READING and (peer is None or conn.peer == peer):
-                self.evicted += 1
-                self.idle_closed += 1
-                self._close(conn)
-                return True
-        return False
-
-    def _read(self, conn: _Conn) -> None:
-        buf = conn.buf
-        try:
-            data = conn.sock.recv(self.max_request_bytes + 1 - len(buf))
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:  # the client left (or failed)
-            self._close(conn)
-            return
-        seen = max(0, len(buf) - 3)
-        buf += data
-        if buf.find(b"\r\n\r\n", seen) < 0 and buf.find(b"\n\n", seen) < 0:
-            if len(buf) > self.max_request_bytes:
-                self.oversized += 1
-                with contextlib.suppress(OSError):
-                    conn.sock.send(_TOO_LARGE)
-                self._close(conn)
-            return
-        conn.state = _WORKING  # complete: a worker makes the response
-        self._selector.unregister(conn.sock)
-        self._pool.submit(self._respond, conn)
-
-    def _take_responses(self) -> None:
-        with contextlib.suppress(OSError):
-            while self._wake_r.recv(4096):
-                pass
-        now = time.monotonic()
-        while self._done:
-            conn = self._done.popleft()
-            if conn.sock not in self._conns:
-                continue
-            if not conn.out:
-                self._close(conn)
-                continue
-            conn.state = _WRITING
-            conn.deadline = now + self.write_timeout_s
-            self._selector.register(conn.sock, selectors.EVENT_WRITE, conn)
-            self._write(conn)
-
-    def _write(self, conn: _Conn) -> None:
-        try:
-            sent = conn.sock.send(conn.out)
-        except BlockingIOError:
-            return
-        except OSError:
-            self._close(conn)
-            return
-        conn.out = conn.out[sent:]
-        if not conn.out:
-            self._close(conn)
-
-    def _expire(self, now: float) -> None:
-        for conn in [c for c in self._conns.values() if c.deadline < now]:
-            if conn.state == _READING:
-                self.idle_closed += 1
-                self._close(conn)
-            elif conn.state == _WRITING:
-                self._close(conn)
-
-    def _close(self, conn: _Conn) -> None:
-        if self._conns.pop(conn.sock, None) is None:
-            return
-        left = self._per_peer[conn.peer] - 1
-        if left:
-            self._per_peer[conn.peer] = left
-        else:
-            del self._per_peer[conn.peer]
-        if conn.state != _WORKING:
-            with contextlib.suppress(KeyError, ValueError):
-                self._selector.unregister(conn.sock)
-        self.shutdown_request(conn.sock)
-
-    # -- responses (worker threads) --------------------------------------------------------------
-
-    def _respond(self, conn: _Conn) -> None:
-        """Run the WSGI app on a complete request; the selector thread writes the answer."""
-        try:
-            handler: _QuietHandler = cast(Any, self.RequestHandlerClass)(conn, conn.address, self)
-            conn.out = memoryview(handler.response)
-        except Exception:
-            logger.debug("a metrics request failed", exc_info=True)
-        self._done.append(conn)
-        with contextlib.suppress(OSError):  # full (a wake-up is pending anyway) or closed
-            self._wake_w.send(b"\0")
-
-    def shutdown(self) -> None:
-        self._stop.set()
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"\0")
-        self._stopped.wait(5.0)
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def server_close(self) -> None:
-        super().server_close()
-        if hasattr(self, "_wake_r"):  # activated (a failed bind closes before that)
-            self._wake_r.close()
-            self._wake_w.close()
-
-
-class _QuietHandler(WSGIRequestHandler):
-    """Answers a request read by :class:`_Server` (``request`` is its ``_Conn``) into memory,
-    and does not log requests."""
-
-    response = b""
-
-    def setup(self) -> None:
-        conn = cast(_Conn, self.request)
-        self.connection = conn.sock
-        self.rfile = io.BytesIO(bytes(conn.buf))
-        self.wfile = io.BytesIO()
-
-    def finish(self) -> None:
-        self.response = cast(io.BytesIO, self.wfile).getvalue()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-def _best_family(addr: str, port: int) -> tuple[socket.AddressFamily, str]:
-    """The address family to bind ``addr`` with (IPv6 for ``::``), and the address to bind."""
-    infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, _, _, _, sockaddr = infos[0]
-    return family, str(sockaddr[0])

@@ -24,21 +24,23 @@ What differs is the cost on the training thread and what you can see:
 
 Limits are restored to the maximum on :meth:`GlobalPowerLimitOptimizer.close`, at interpreter
 exit, on an exception leaving a ``with`` block, and on SIGINT/SIGTERM.
+
+This module holds the states and the optimizer that drives them, and reads and writes the
+profile; the measurements and selectors are in :mod:`.power_limit_selectors`, adaptive
+profiling's settings and statistics in :mod:`.power_limit_adaptive`.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
-import math
 import os
 import socket
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -46,6 +48,20 @@ from .._exit import ClosedOnExit, SignalRestorer, call_at_exit
 from ..errors import ConfigError, NoPermissionError
 from ..events import OptimizerState
 from ..ranks import Collectives, collectives, rank_path
+from .power_limit_adaptive import OUTLIER_FACTOR as OUTLIER_FACTOR
+from .power_limit_adaptive import AdaptiveOptions, _StepStats
+from .power_limit_selectors import (
+    Energy,
+    MaxSlowdownConstraint,
+    OptimumSelector,
+    PowerLimitMeasurement,
+    PowerLimitProfile,
+    Time,
+    ZeusCost,
+    zeus_cost,
+)
+from .power_limit_selectors import PositiveFloat as PositiveFloat
+from .power_limit_selectors import PositiveInt as PositiveInt
 
 if TYPE_CHECKING:
     from ..aggregate.windows import WindowResult
@@ -70,124 +86,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
-PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
-
 #: ``source`` of the power-limit changes and ``optimizer`` of the events this module publishes.
 SOURCE = "power_limit"
-
-
-# -- measurements and selectors -------------------------------------------------------------------
-
-
-class PowerLimitMeasurement(msgspec.Struct, frozen=True):
-    """Energy (J, all GPUs) and time (s) of the profiled steps at one power limit (W).
-
-    Raises:
-        ValueError: A value that is not positive (also when decoding a profile).
-    """
-
-    power_limit: PositiveInt
-    energy: PositiveFloat
-    time: PositiveFloat
-
-    def __post_init__(self) -> None:
-        if not (self.power_limit > 0 and self.energy > 0 and self.time > 0):
-            raise ValueError(f"power limit, energy and time must be positive: {self!r}")
-
-
-class PowerLimitProfile(msgspec.Struct):
-    """The file ``profile_path`` holds: every measurement, highest limit first."""
-
-    measurements: list[PowerLimitMeasurement]
-
-
-class OptimumSelector(Protocol):
-    """Picks the power limit (W) from profiling measurements."""
-
-    def select(self, measurements: Sequence[PowerLimitMeasurement]) -> int: ...
-
-
-def _nonempty(measurements: Sequence[PowerLimitMeasurement]) -> None:
-    if not measurements:
-        raise ValueError("no measurements to select a power limit from")
-
-
-class Energy:
-    """The limit with the least energy."""
-
-    def select(self, measurements: Sequence[PowerLimitMeasurement]) -> int:
-        _nonempty(measurements)
-        return min(measurements, key=lambda m: m.energy).power_limit
-
-    def cost(
-        self, m: PowerLimitMeasurement, measurements: Sequence[PowerLimitMeasurement]
-    ) -> float:
-        return m.energy
-
-
-class Time:
-    """The limit with the shortest time (ties, and noise among equal times, favour the first
-    profiled, i.e. the higher limit)."""
-
-    def select(self, measurements: Sequence[PowerLimitMeasurement]) -> int:
-        _nonempty(measurements)
-        return min(measurements, key=lambda m: m.time).power_limit
-
-    def cost(
-        self, m: PowerLimitMeasurement, measurements: Sequence[PowerLimitMeasurement]
-    ) -> float:
-        return m.time
-
-
-def zeus_cost(energy: float, time: float, eta_knob: float, max_power: float) -> float:
-    """Zeus's energy-time cost: ``eta · energy + (1 - eta) · max_power · time``."""
-    return eta_knob * energy + (1 - eta_knob) * max_power * time
-
-
-class ZeusCost:
-    """The limit minimizing :func:`zeus_cost`, with ``max_power`` = the highest profiled limit
-    times ``world_size``.
-
-    Raises:
-        ValueError: ``eta_knob`` outside [0, 1] or ``world_size < 1``.
-    """
-
-    def __init__(self, eta_knob: float, world_size: int = 1) -> None:
-        if not 0.0 <= eta_knob <= 1.0:
-            raise ValueError(f"eta_knob must be between 0 and 1 (inclusive), got {eta_knob!r}")
-        if world_size < 1:
-            raise ValueError(f"world_size must be at least 1, got {world_size!r}")
-        self.eta_knob = eta_knob
-        self.world_size = world_size
-
-    def cost(
-        self, m: PowerLimitMeasurement, measurements: Sequence[PowerLimitMeasurement]
-    ) -> float:
-        max_power = max(x.power_limit for x in measurements) * self.world_size
-        return zeus_cost(m.energy, m.time, self.eta_knob, max_power)
-
-    def select(self, measurements: Sequence[PowerLimitMeasurement]) -> int:
-        _nonempty(measurements)
-        return min(measurements, key=lambda m: self.cost(m, measurements)).power_limit
-
-
-class MaxSlowdownConstraint:
-    """The lowest limit whose time is within ``factor`` times the time at the highest limit.
-
-    Raises:
-        ValueError: ``factor < 1``.
-    """
-
-    def __init__(self, factor: float) -> None:
-        if not factor >= 1.0:
-            raise ValueError(f"the slowdown factor must be at least 1.0, got {factor!r}")
-        self.factor = factor
-
-    def select(self, measurements: Sequence[PowerLimitMeasurement]) -> int:
-        _nonempty(measurements)
-        top = max(measurements, key=lambda m: m.power_limit)
-        return min(m.power_limit for m in measurements if m.time <= self.factor * top.time)
 
 
 # -- states ---------------------------------------------------------------------------------------
@@ -221,119 +121,6 @@ class Done(msgspec.Struct):
 
 
 State = Ready | Warmup | Profiling | Done
-
-
-class AdaptiveOptions(msgspec.Struct, frozen=True):
-    """Settings of adaptive profiling.
-
-    A warmup ends (before ``warmup_steps``) once two consecutive steps, from the second after
-    the limit change on, differ by at most twice ``tolerance`` in time and in energy. A limit's
-    profiling stops once at least ``min_steps`` per-step measurements are in and the 95 %
-    confidence half-widths of the mean step time and the mean step energy are both within
-    ``tolerance`` of the means (or after ``profile_steps``). Steps slower than
-    :data:`OUTLIER_FACTOR` times the median (a host stall, a checkpoint save) are left out; the
-    measurement is the per-step means times ``profile_steps``, so it compares with full
-    profiles. Descending stops when the selector's choice can no longer change, assuming step
-    time does not fall and the selector's cost is unimodal as the limit drops: for
-    ``MaxSlowdownConstraint`` at the first limit slower than allowed; for the others once the
-    latest ``patience`` limits all cost more than the best by more than twice ``tolerance``.
-    """
-
-    tolerance: float = 0.01
-    min_steps: int = 6
-    patience: int = 2
-
-
-def _t95(n: int) -> float:
-    """Two-sided 95 % Student-t quantile for ``n - 1`` degrees of freedom."""
-    table = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
-    return table.get(n - 1, 2.23 if n - 1 < 15 else 2.0 if n - 1 < 60 else 1.96)
-
-
-class _Running:
-    """Mean and variance of a stream of values, updated in O(1) (Welford)."""
-
-    __slots__ = ("m2", "mean", "n")
-
-    def __init__(self) -> None:
-        self.n = 0
-        self.mean = 0.0
-        self.m2 = 0.0
-
-    def add(self, x: float) -> None:
-        self.n += 1
-        delta = x - self.mean
-        self.mean += delta / self.n
-        self.m2 += delta * (x - self.mean)
-
-    def cv(self) -> float:
-        """Sample standard deviation over mean."""
-        if self.n < 2 or self.mean <= 0:
-            return math.inf
-        return math.sqrt(self.m2 / (self.n - 1)) / self.mean
-
-
-#: Adaptive mode: a step slower than this multiple of the median step is an outlier (a stall
-#: of the host, a checkpoint save, a data-loader hiccup) and left out of the estimates.
-OUTLIER_FACTOR = 1.5
-
-
-class _StepStats:
-    """Per-step windows of one warmed-up or profiled limit (adaptive mode)."""
-
-    def __init__(self) -> None:
-        self.pending: collections.deque[WindowResult] = collections.deque()
-        self.steps: list[tuple[float, float]] = []  # (time s, energy J) per finished step
-        self.last: tuple[tuple[float, float] | None, tuple[float, float] | None] = (None, None)
-        self._kept: tuple[_Running, _Running, int] | None = None
-
-    def collect(self) -> None:
-        pending = self.pending
-        while pending and pending[0].done():
-            result = pending.popleft()
-            try:
-                m = result.wait(0)
-            except Exception:  # a cancelled or failed step window: skip it
-                continue
-            if m.gpu_energy_j:
-                step = (m.time_s, sum(m.gpu_energy_j.values()))
-                self.steps.append(step)
-                self.last = (self.last[1], step)
-                self._kept = None
-
-    def kept(self) -> tuple[_Running, _Running, int]:
-        """Time and energy statistics of the steps that are not outliers, and their count."""
-        if self._kept is None:
-            times = sorted(t for t, _ in self.steps)
-            limit = OUTLIER_FACTOR * times[len(times) // 2] if times else math.inf
-            t_run, e_run = _Running(), _Running()
-            for t, e in self.steps:
-                if t <= limit:
-                    t_run.add(t)
-                    e_run.add(e)
-            self._kept = (t_run, e_run, len(self.steps) - t_run.n)
-        return self._kept
-
-    @property
-    def n(self) -> int:
-        return self.kept()[0].n
-
-    def steady(self, tolerance: float) -> bool:
-        """The last two steps' time and energy differ by at most ``tolerance`` (relative)."""
-        a, b = self.last
-        if a is None or b is None:
-            return False
-        return all(abs(x - y) <= tolerance * max(abs(x), abs(y)) for x, y in zip(a, b, strict=True))
-
-    def relative_half_widths(self) -> tuple[float, float]:
-        """95 % confidence half-widths of the mean step time and energy (outliers left out),
-        relative to the means."""
-        t_run, e_run, _ = self.kept()
-        n = t_run.n
-        if n < 2:
-            return math.inf, math.inf
-        t = _t95(n) / math.sqrt(n)
-        return t * t_run.cv(), t * e_run.cv()
 
 
 # -- the optimizer --------------------------------------------------------------------------------
