@@ -28,6 +28,7 @@ __all__ = [
     "NotSupportedError",
     "SchemaVersionError",
     "TransientDeviceError",
+    "WorkloadSourceError",
     "ZeusAsyncError",
     "sole_exception",
 ]
@@ -53,6 +54,13 @@ class JournalError(ZeusAsyncError):
     """A hardware setting was left unchanged because the value to put back could not be
     journalled first (a full or read-only private directory): a change is never applied
     unjournalled, since nothing could then restore it after a crash."""
+
+
+class WorkloadSourceError(ZeusAsyncError):
+    """A source of workload identity (the kubelet's pod-resources socket) could not be read:
+    missing, no permission, not answering. The message is one line that names the source and
+    what to do; the resolver logs it and goes on with what it knew and with its other sources
+    (:mod:`zeus_async.agent.workloads`)."""
 
 
 class CodecError(ZeusAsyncError, ValueError):
