@@ -1,4 +1,4 @@
-"""The real-GPU check (bench/bench_real_gpu.py) runs end to end, here on the simulator.
+"""The real-GPU check (bench/hardware/bench_real_gpu.py) runs end to end, here on the simulator.
 
 It is written for the sessions that are lent a GPU machine, which are rare: this keeps it from
 rotting in between. Real subprocess, real clock, a few seconds.
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "bench_real_gpu.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "hardware" / "bench_real_gpu.py"
 
 
 def test_the_real_gpu_check_reports_every_part_and_restores_the_power_limit(

@@ -170,7 +170,7 @@ async def _windows(overrides: dict[str, Any], per_length: int) -> dict[int, tupl
 #: exact / provisional, 30 windows of each length on 2 GPUs) with a margin. A provisional
 #: figure where the readings describe the past is the last counter period's mean power, about
 #: 100 ms old: it cannot follow a level held 50 ms. (Zeus 0.16's immediate reading errs
-#: 76-212 % on 20-50 ms windows of this load, bench/bench_short_windows.py.)
+#: 76-212 % on 20-50 ms windows of this load, bench/windows/bench_short_windows.py.)
 BOUNDS: dict[str, dict[int, tuple[float, float]]] = {
     # 8.7 / 44.6, 3.2 / 35.0, 2.3 / 11.6 %. Before issue 34 the exact figures were 19.2, 12.3
     # and 3.2 %: the 1 s averages split the counter periods.

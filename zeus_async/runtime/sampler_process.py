@@ -2,7 +2,7 @@
 
 A sampler thread inside a training process competes with it for the GIL: a background thread
 that holds the GIL 0.5 ms in every 10 ms slows a small torch training step by ~5 %
-(``bench/bench_monitor.py --parts gil``). :class:`SamplerProcess` runs the whole
+(``bench/windows/bench_monitor.py --parts gil``). :class:`SamplerProcess` runs the whole
 :class:`~zeus_async.runtime.Runtime` (samplers, hub, window tracker, publisher) in a child
 process. The parent stamps window edges with its own wall clock and pushes them over a local
 ZeroMQ socket: the caller only appends the encoded edge to a queue, and an I/O thread sends it
@@ -403,7 +403,8 @@ class SamplerProcess:
         urgent.register(self._sock, zmq.POLLIN)
         urgent.register(self._wake_r, zmq.POLLIN)
         # Plain descriptors only: the stdlib's poll, whose timed sleep costs a third less CPU
-        # than pyzmq's (bench/RESULTS.md, issue 20), and this is the state the thread idles in.
+        # than pyzmq's (bench/history/RESULTS-journal-2026-11.md, issue 20), and this is the
+        # state the thread idles in.
         relaxed = select.poll()
         relaxed.register(self._wake_r, select.POLLIN)
         if self._agent_fd is not None:

@@ -1,5 +1,6 @@
 """Synthetic energy-counter streams with stalled reads, for tests and benchmarks of windows
-whose samples came late (``tests/aggregate/test_late_edges.py``, ``bench/bench_late_edges.py``).
+whose samples came late (``tests/aggregate/test_late_edges.py``,
+``bench/windows/bench_late_edges.py``).
 """
 
 from __future__ import annotations

@@ -54,8 +54,9 @@ most :data:`QUEUED_REQUESTS` wait (then the server stops reading and TCP pushes 
 queues at most :data:`REQUEST_QUEUE` per connection). What this cannot bound: libzmq receives
 a message, all its frames, before the server sees any of it, and ``ZMQ_MAXMSGSIZE`` caps a
 frame, not a message, so each connection sending at that moment holds what it has sent so far
-(``bench/bench_pfo_flood.py`` measures 40 clients at once). Where clients are not trusted, use
-CURVE with an allow-list (an unknown key is refused before it can send) or an ipc endpoint.
+(``bench/hostile/bench_pfo_flood.py`` measures 40 clients at once). Where clients are not
+trusted, use CURVE with an allow-list (an unknown key is refused before it can send) or an ipc
+endpoint.
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ _MAX_METADATA = 100
 
 # What a decoded message holds in memory, per list and per number in it (CPython objects, the
 # list's pointer, and a scheduler's own list of a rank's clocks), for the memory limits;
-# measured with tracemalloc (bench/bench_pfo_memory.py), rounded up.
+# measured with tracemalloc (bench/pfo/bench_pfo_memory.py), rounded up.
 _LIST_BYTES = 72
 _NUMBER_BYTES = 52
 _STRUCT_BYTES = 256
