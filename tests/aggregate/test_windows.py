@@ -258,13 +258,42 @@ def test_head_model_reconstructs_a_step_inside_a_period_exactly() -> None:
     assert est.energy_j == pytest.approx(truth, rel=1e-3)
     # Before the step: 4 J. Splitting the period in proportion to time would say 8.44 J,
     # the sloped split (a line through the mean, 211 W, leaning 1350 W/s from the
-    # neighbours, 130 W and 400 W) 7.36 J.
+    # neighbours, 130 W and 400 W) 7.36 J; without the head model, the period is one step
+    # from its neighbours' levels, 130 W to 400 W, placed 70 ms in to keep the mean: 5.2 J.
     before = h.energy(round(2.21e9), round(2.25e9)).energy_j
     assert before == pytest.approx(100.0 * 0.04, rel=1e-3)
     linear = DeviceHistory("gpu:0", sensor=SensorModel(head_window_s=0.0))
     _feed_h100_like(linear, power, 3.0)
     assert not linear._head_model_active()
-    assert linear.energy(round(2.21e9), round(2.25e9)).energy_j == pytest.approx(7.36, rel=1e-3)
+    assert linear.energy(round(2.21e9), round(2.25e9)).energy_j == pytest.approx(5.2, rel=1e-3)
+
+
+def test_without_power_readings_a_period_is_one_step_or_a_slope() -> None:
+    # No head model (readings that describe the past): a period between two flat levels is
+    # one step placed to keep its energy; a period inside a steady ramp keeps the sloped split.
+    def step(t: float) -> float:
+        # Until 1.5 s, 30 W more every other period shows what the readings describe.
+        if t < 1.5:
+            return 100.0 + 30.0 * (int(t / 0.1 + 1e-9) % 2)
+        return 400.0 if t >= 2.263 else 100.0
+
+    h = DeviceHistory("gpu:0", sensor=SensorModel(head_window_s=0.0))
+    _feed_h100_like(h, step, 3.0)
+    assert not h._head_model_active() and h._split() == "time"
+    # Mean 211 W: the step from 100 W to 400 W sits 63 ms into the period, as it does.
+    assert h.energy(round(2.21e9), round(2.25e9)).energy_j == pytest.approx(4.0, rel=1e-3)
+    assert h.energy(round(2.25e9), round(2.29e9)).energy_j == pytest.approx(
+        100.0 * 0.013 + 400.0 * 0.027, rel=1e-3
+    )
+
+    def ramp(t: float) -> float:
+        return 100.0 + 1000.0 * t  # 1000 W/s: the power goes on rising beyond each neighbour
+
+    r = DeviceHistory("gpu:0", sensor=SensorModel(head_window_s=0.0))
+    _feed_h100_like(r, ramp, 3.0)
+    # The line through the period's mean with the neighbours' slope: exact on a ramp.
+    truth = 100.0 * 0.04 + 500.0 * (2.25**2 - 2.21**2)
+    assert r.energy(round(2.21e9), round(2.25e9)).energy_j == pytest.approx(truth, rel=1e-3)
 
 
 def test_head_model_stays_off_when_readings_do_not_follow_the_counter() -> None:

@@ -452,10 +452,13 @@ class DeviceHistory(CounterPeriods):
             ct = self._ct
             if self.has_counter and (ct or not self.fine_counter):
                 split = "power" if self.fine_counter else self._split()
-                if split == "head" or (split == "time" and bisect.bisect_right(ct, t_ns) >= 2):
-                    # The period holding t_ns is split using the next period: its head
-                    # reading (the head model), or its mean power (the sloped split, which
-                    # the first two periods do without).
+                if split == "time" and bisect.bisect_right(ct, t_ns) >= 2:
+                    # The period holding t_ns is split using the next two periods' mean
+                    # powers (the sloped split and its step test, which the first two
+                    # periods do without).
+                    return len(ct) >= 3 and ct[-3] >= t_ns
+                if split == "head":
+                    # The period holding t_ns is split using the next period's head reading.
                     return len(ct) >= 2 and ct[-2] >= t_ns
                 return bool(ct) and ct[-1] >= t_ns
             return bool(self._pt) and self._pt[-1] >= t_ns

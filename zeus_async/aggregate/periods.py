@@ -29,6 +29,13 @@ logger = logging.getLogger(__name__)
 _FIT_RADIUS = 10
 #: Most refined update instants a history remembers (see DeviceHistory._refined).
 _CACHE_MAX = 256
+#: A period between a low and a high neighbour is split as one step unless the power goes on
+#: changing the same way beyond a neighbour by this fraction of the jump across the period.
+_STEP_TREND = 0.25
+#: ... and only where the neighbours differ by this fraction of the larger one at least.
+_STEP_MIN = 0.05
+#: ... and only where every update involved was seen within this fraction of a period.
+_STEP_BRACKET = 0.1
 
 _Lead = tuple[float, float, float, float, float, float]
 #: How energy is shared out inside a counter period: the head model, the power readings, a line.
@@ -216,7 +223,9 @@ class CounterPeriods:
         limited so that it makes no new peak or trough and no negative power (the monotonized
         central limiter of finite-volume schemes). The period's energy is kept exactly. Where
         the neighbours are level with it the line is flat (a split in proportion to time); a
-        period between a low and a high one leans towards each, as a step inside it does.
+        period between a low and a high one leans towards each. Where that period is one step
+        between two levels (:meth:`_step_between`: a square wave, a kernel starting or ending)
+        the power is taken as that step instead, placed where it keeps the period's energy.
         """
         ce = self._ce
         t_p, t_n = refined(i - 2), refined(i + 1)
@@ -226,6 +235,14 @@ class CounterPeriods:
         mean = (ce[i] - ce[i - 1]) / length
         before = (ce[i - 1] - ce[i - 2]) / ((t_a - t_p) / 1e9)
         after = (ce[i + 1] - ce[i]) / ((t_n - t_b) / 1e9)
+        x = offset / 1e9
+        if ((before < mean < after) or (before > mean > after)) and self._step_between(
+            i, before, after, refined
+        ):
+            # One step between the neighbours' levels, placed where it keeps the period's
+            # energy: what a kernel starting or ending inside the period looks like.
+            at = (after - mean) / (after - before) * length
+            return before * x if x < at else before * at + after * (x - at)
         left, right = 2 * (mean - before) / length, 2 * (after - mean) / length
         central = (after - before) / (2 * length)
         if left > 0 and right > 0:
@@ -237,8 +254,38 @@ class CounterPeriods:
         # No negative power at either end of the period.
         cap = 2 * max(mean, 0.0) / length
         slope = max(-cap, min(cap, slope))
-        x = offset / 1e9
         return mean * x + slope * x * (x - length) / 2
+
+    def _step_between(
+        self, i: int, before: float, after: float, refined: Callable[[int], float]
+    ) -> bool:
+        """Whether counter period ``i``, whose mean lies between its neighbours', looks like
+        one step between two levels rather than part of a slope: the power does not go on
+        changing the same way beyond either neighbour (by a quarter of the jump across the
+        period or more). A smooth swing continues beyond its neighbours and keeps the sloped
+        split; a square wave or a kernel boundary does not. Without the period after the
+        next (the end of the history), the side before decides."""
+        ce = self._ce
+        jump = after - before
+        if i < 3 or abs(jump) < _STEP_MIN * max(abs(before), abs(after)):
+            return False  # level neighbours: a wobble of the readings, not a step
+        ct, cb = self._ct, self._cb
+        sharp = _STEP_BRACKET * (refined(i) - refined(i - 1))
+        if any(ct[k] - cb[k] > sharp for k in range(i - 3, min(i + 3, len(ct)))):
+            return False  # an update seen through a late read: the means are not sharp enough
+        t0, t1 = refined(i - 3), refined(i - 2)
+        if not t0 < t1:
+            return False
+        outer_before = (ce[i - 2] - ce[i - 3]) / ((t1 - t0) / 1e9)
+        if (before - outer_before) / jump >= _STEP_TREND:
+            return False
+        if i + 2 >= len(ce):
+            return True
+        t2, t3 = refined(i + 1), refined(i + 2)
+        if not t2 < t3:
+            return False
+        outer_after = (ce[i + 2] - ce[i + 1]) / ((t3 - t2) / 1e9)
+        return (outer_after - after) / jump < _STEP_TREND
 
     def _wide(self, k: int) -> bool:
         """Whether update ``k`` was seen through a bracket over twice as wide as is typical
