@@ -501,13 +501,15 @@ def test_window_logs_name_each_gpu_by_uuid_and_driver_index(
         assert [d.index for d in mon.gpu_devices] == [2, 3]
         with mon.window("step"):
             time.sleep(0.02)
-    expected = {f"gpu:{i}": f"{u} (index {2 + i})" for i, u in enumerate(uuids)}
+    # Issue 34: simulated GPUs say so on every line.
+    expected = {f"gpu:{i}": f"{u} (index {2 + i}, simulated)" for i, u in enumerate(uuids)}
     if suffix == ".csv":
         (row,) = csv.DictReader(log.read_text().splitlines())
         assert dict(item.split("=") for item in row["gpus"].split(";")) == expected
     else:
         (line,) = log.read_text().splitlines()
         assert json.loads(line)["gpus"] == expected
+        assert json.loads(line)["simulated"] is True
 
 
 @pytest.mark.parametrize("bad", ["0,1", [0.5], [None], 3])

@@ -395,6 +395,7 @@ class Monitor(ClosedOnExit):
         self._attention = True
         self._environ_size = -1
         self._pid = os.getpid()
+        self._warned_unresolved = False
 
     def _build(self, target: list[int] | None) -> None:
         """Start sampling: the GPUs asked for, else ``target`` (a resolution's), else this
@@ -889,6 +890,24 @@ class Monitor(ClosedOnExit):
             return []  # closed before it was ever built (unpickled, never used)
         return [d.describe() for d in self._embedded.runtime.devices if d.key.startswith("gpu:")]
 
+    def _control_gpus(self, gpus: Sequence[int] | None, what: str) -> Sequence[int]:
+        """The GPUs a change without ``gpus`` means: this rank's. A monitor made before the
+        launcher said the rank looks for it first (:meth:`resolve_gpus`); if nothing says it
+        yet, the change goes to every GPU watched, as for a single process, said once in the
+        log (INFO: a plain script on several GPUs is such a process; a Lightning ``ddp`` script
+        changing settings before ``trainer.fit()`` finds its cause there)."""
+        if gpus is not None:
+            return gpus
+        if not self.gpus_resolved and not self.resolve_gpus() and not self._warned_unresolved:
+            self._warned_unresolved = True
+            logger.info(
+                "changing the %s of every GPU watched (%s): no launcher has said which rank "
+                "this process is yet; pass gpus=[...] or call resolve_gpus() first",
+                what,
+                ", ".join(map(str, self.gpu_indices)),
+            )
+        return self.gpu_indices
+
     def set_power_limit(
         self, watts: float, gpus: Sequence[int] | None = None, *, source: str = ""
     ) -> Future[Any]:
@@ -900,7 +919,7 @@ class Monitor(ClosedOnExit):
         ``NoPermissionError`` / ``ConfigError`` on failure.
         """
         self._check_open(attend=True)
-        gpus = self.gpu_indices if gpus is None else gpus
+        gpus = self._control_gpus(gpus, "power limit")
         if self._process is not None:
             return self._process.control("set_power_limit", watts=watts, gpus=gpus, source=source)
         assert self._embedded is not None and self._embedded.runtime is not None
@@ -919,7 +938,7 @@ class Monitor(ClosedOnExit):
         ``ConfigError``.
         """
         self._check_open(attend=True)
-        gpus = self.gpu_indices if gpus is None else gpus
+        gpus = self._control_gpus(gpus, "SM clock")
         if self._process is not None:
             return self._process.control("set_sm_clocks", mhz=mhz, gpus=gpus, source=source)
         assert self._embedded is not None and self._embedded.runtime is not None

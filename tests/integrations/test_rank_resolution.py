@@ -251,3 +251,25 @@ def test_a_forked_child_builds_its_own_sampler_and_leaves_the_parents(monitor: M
     assert os.waitstatus_to_exitcode(status) == 0
     assert json.loads(answer) == [1]
     assert _gpus(monitor, "after") == [0, 1, 2, 3]  # the parent's sampler still runs
+
+
+def test_a_change_without_gpus_goes_to_the_ranks_gpu_once_the_launcher_spoke(
+    monitor: Monitor, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 34: set_power_limit() on a monitor made before the launcher changed every GPU of
+    the node, the job's or not."""
+    _launch(monkeypatch, 1)
+    monitor.set_power_limit(300).result(5)
+    limits = [g.power_limit_w for g in read_sim_node_state()]
+    assert limits[1] == 300 and 300 not in (limits[0], limits[2], limits[3]), limits
+    assert "every GPU watched" not in caplog.text
+    monitor.release().result(5)
+
+
+def test_a_change_before_any_launcher_says_it_goes_to_every_gpu(
+    monitor: Monitor, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="zeus_async.monitor")
+    monitor.set_power_limit(300).result(5)
+    assert "changing the power limit of every GPU watched (0, 1, 2, 3)" in caplog.text
+    monitor.release().result(5)

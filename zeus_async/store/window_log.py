@@ -26,14 +26,22 @@ __all__ = ["window_log_consumer"]
 logger = logging.getLogger(__name__)
 
 
+def _simulated(d: DeviceInfo) -> bool:
+    return d.name.endswith("(simulated)")
+
+
 def _gpu_identities(m: Measurement, devices: Mapping[str, DeviceInfo]) -> dict[str, str]:
     """Each measured GPU as the tools beside us name it: UUID and the driver's index
-    (``nvidia-smi``'s, which ``CUDA_VISIBLE_DEVICES`` may have renumbered)."""
+    (``nvidia-smi``'s, which ``CUDA_VISIBLE_DEVICES`` may have renumbered), and
+    ``simulated`` for a simulated one, so no line passes simulated figures as a real GPU's."""
     out = {}
     for gpu in sorted(m.gpu_energy_j):
         d = devices.get(f"gpu:{gpu}")
         if d is not None and d.uuid:
-            out[f"gpu:{gpu}"] = d.uuid + ("" if d.index is None else f" (index {d.index})")
+            notes = [] if d.index is None else [f"index {d.index}"]
+            if _simulated(d):
+                notes.append("simulated")
+            out[f"gpu:{gpu}"] = d.uuid + (f" ({', '.join(notes)})" if notes else "")
     return out
 
 
@@ -70,7 +78,9 @@ def window_log_consumer(
     measured it (CSV columns ``host`` and ``rank``; a ``rank`` key in JSON lines), and each
     GPU's UUID and driver index (``nvidia-smi``'s: CSV column ``gpus``,
     ``gpu:0=GPU-… (index 3);…``; a ``gpus`` object in JSON lines), so that a line matches
-    ``nvidia-smi`` and dcgm-exporter whatever ``CUDA_VISIBLE_DEVICES`` renumbered. The
+    ``nvidia-smi`` and dcgm-exporter whatever ``CUDA_VISIBLE_DEVICES`` renumbered. A
+    simulated GPU says so there (``(index 0, simulated)``), and a JSON line measured on one
+    has ``"simulated": true``. The
     devices come from ``devices`` and from the stream's :class:`StreamInfo`.
     """
     path = Path(path)
@@ -100,6 +110,11 @@ def window_log_consumer(
                         if rank is not None:
                             data["rank"] = rank
                         data["gpus"] = _gpu_identities(event, known)
+                        if any(
+                            (d := known.get(f"gpu:{g}")) is not None and _simulated(d)
+                            for g in event.gpu_energy_j
+                        ):
+                            data["simulated"] = True
                         text = msgspec.json.encode(data).decode() + "\n"
                     with anyio.fail_after(stall_s):
                         await f.write(text)
