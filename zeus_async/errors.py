@@ -26,6 +26,8 @@ __all__ = [
     "LeaseConflictError",
     "NoPermissionError",
     "NotSupportedError",
+    "PolicyDeniedError",
+    "PolicyError",
     "SchemaVersionError",
     "TransientDeviceError",
     "WorkloadSourceError",
@@ -48,6 +50,17 @@ class LeaseConflictError(ZeusAsyncError):
     Two clients asking different settings for one GPU would undo each other's changes; the
     second is refused until the first releases its lease (see :mod:`zeus_async.agent`).
     """
+
+
+class PolicyError(ConfigError):
+    """A system agent's policy file (``/etc/zeus-async/policy.toml``) that cannot be used: not
+    TOML, an unknown key, a value of the wrong type. The message names the file and the key."""
+
+
+class PolicyDeniedError(ZeusAsyncError, PermissionError):
+    """The system agent's policy refuses this user a request: connecting to read, or changing
+    a setting on a GPU (not granted by a rule, outside the rule's range, not allocated to the
+    job). The message names the policy file. Also a :class:`PermissionError`."""
 
 
 class JournalError(ZeusAsyncError):

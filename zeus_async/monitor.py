@@ -126,9 +126,15 @@ class ProfilingResult:
 
 def _agent_endpoint(agent: str | bool | None, *, private_only: bool) -> str | None:
     """The endpoint to attach to, or ``None`` for a private agent (see ``Monitor(agent=)``)."""
-    from .agent.client import ensure_node_agent, node_agent_endpoint
+    from .agent.client import (
+        check_endpoint,
+        ensure_node_agent,
+        node_agent_endpoint,
+        system_agent_endpoint,
+    )
 
     if isinstance(agent, str):
+        check_endpoint(agent)
         return agent
     if agent is False:
         return None
@@ -137,7 +143,7 @@ def _agent_endpoint(agent: str | bool | None, *, private_only: bool) -> str | No
             return None
         if private_only:
             return None
-        running = node_agent_endpoint()
+        running = node_agent_endpoint() or system_agent_endpoint()
         if running is not None:
             return running
         if "LOCAL_RANK" not in os.environ:
@@ -267,8 +273,10 @@ class Monitor(ClosedOnExit):
             as resource attributes (:mod:`zeus_async.exporters.otlp`).
         otlp_interval_s: Seconds between OTLP exports.
         agent: Where sampling runs with ``sampler="process"`` (``docs/agent.md``). ``None``
-            (default): attach to the node agent when one runs (``zeus-async agent``) or when
-            this is a torchrun rank (the first rank starts it), else start a private agent;
+            (default): attach to this user's node agent when one runs (``zeus-async agent``),
+            else to the system agent when one answers (``zeus-async agent --system``, on
+            ``$ZEUS_ASYNC_SYSTEM_AGENT`` or ``/run/zeus-async/agent.sock``), else start a node
+            agent when this is a torchrun rank (the first rank starts it), else a private one;
             options that only a private agent has (``record``, ``publish``, ``log_file``,
             ``prometheus_port``, ``processes``, other sampling settings) also pick a private
             one. ``False``: always a private agent. ``True``: the node agent (started if none

@@ -7,6 +7,10 @@ Discovery: the node agent holds ``<private dir>/agent.lock`` and listens on
 removed from its environment; each client's own is applied to its indices), and stopping 5 s
 after its last client left. Two ranks starting one at once is fine: the node lock lets one
 win, and the other attaches to it.
+
+:func:`system_agent_endpoint` finds a *system* agent (``zeus-async agent --system``, root's,
+serving every user of the node its policy lets in) by connecting to its socket
+(``$ZEUS_ASYNC_SYSTEM_AGENT``, else ``/run/zeus-async/agent.sock``).
 """
 
 from __future__ import annotations
@@ -20,10 +24,18 @@ import time
 import msgspec
 
 from .._paths import private_dir
+from ..errors import ConfigError
 from .protocol import AgentConfig
 from .server import EXIT_AGENT_RUNNING, NODE_SOCKET, node_agent_running
+from .system import SYSTEM_SOCKET_ENV_VAR, probe_system_agent, system_socket
 
-__all__ = ["ensure_node_agent", "node_agent_config", "node_agent_endpoint"]
+__all__ = [
+    "check_endpoint",
+    "ensure_node_agent",
+    "node_agent_config",
+    "node_agent_endpoint",
+    "system_agent_endpoint",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +50,45 @@ def node_socket() -> str:
 def node_agent_endpoint() -> str | None:
     """The node agent's endpoint when one runs, else ``None``."""
     return node_socket() if node_agent_running() else None
+
+
+def system_agent_endpoint() -> str | None:
+    """The system agent's endpoint when one answers on its socket, else ``None``.
+
+    A socket this user may not open (not in the agent's group) is ``None`` too — this user's
+    own agent then serves it — unless ``$ZEUS_ASYNC_SYSTEM_AGENT`` names that socket: asked
+    for by name, it is an error.
+
+    Raises:
+        ConfigError: ``$ZEUS_ASYNC_SYSTEM_AGENT`` names a socket this user may not use.
+    """
+    sock = system_socket()
+    probe = probe_system_agent(sock)
+    if probe.state == "up":
+        return f"ipc://{sock}"
+    if probe.state == "denied":
+        if os.environ.get(SYSTEM_SOCKET_ENV_VAR):
+            raise ConfigError(
+                f"cannot use the system agent ({SYSTEM_SOCKET_ENV_VAR}): {probe.detail}"
+            )
+        logger.info("not using the system agent: %s", probe.detail)
+    return None
+
+
+def check_endpoint(endpoint: str) -> None:
+    """Refuse an agent endpoint this user may not connect to, now and in words (a zmq connect
+    would retry in silence until the start timeout).
+
+    Raises:
+        ConfigError: An ipc socket that exists and this user may not open.
+    """
+    if not endpoint.startswith("ipc://"):
+        return
+    from pathlib import Path
+
+    probe = probe_system_agent(Path(endpoint[len("ipc://") :]))
+    if probe.state == "denied":
+        raise ConfigError(f"cannot use the agent at {endpoint}: {probe.detail}")
 
 
 def node_agent_config(**options: object) -> AgentConfig:

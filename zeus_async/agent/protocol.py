@@ -68,6 +68,15 @@ class AgentConfig(msgspec.Struct, frozen=True):
     exit_when_idle_s: float | None = None
     #: Hold the node lock (``agent.lock``): exit with code 3 if another node agent holds it.
     node: bool = False
+    #: A *system* agent (``zeus-async agent --system``, root): serves every user its policy
+    #: lets in, on a socket of ``system_group`` (``endpoint`` is ``ipc://<socket>``), keeps
+    #: its journals in ``state_dir`` (root's alone) and checks each change against
+    #: ``policy`` (a TOML file; ``None``: ``/etc/zeus-async/policy.toml``, the defaults when
+    #: it is absent). See :mod:`zeus_async.agent.system` and :mod:`zeus_async.agent.policy`.
+    system: bool = False
+    system_group: str = "zeus-async"
+    policy: str | None = None
+    state_dir: str | None = None
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True):
@@ -139,6 +148,9 @@ class Reply(msgspec.Struct, omit_defaults=True):
     #: index of each of the client's ``gpus``, in order.
     board: str | None = None
     board_gpus: list[int] = []
+    #: ``ready``: the agent is a system agent (root's): a client that sees it die cannot
+    #: restore its settings (its journals are root's); the next system agent start does.
+    system: bool = False
     #: For ``error`` replies about a path: the path (``FileNotFoundError`` and friends).
     filename: str | None = None
     errno: int | None = None

@@ -14,7 +14,12 @@ windows and answers clients on a ROUTER socket (:mod:`.protocol`):
   group reaches only its owner, which then closes it; if the owner dies without doing so, the
   agent notices within ``_WATCH_S``, restores and exits;
 * outputs (recording, window log) are isolated: a full disk or a hung file system ends that
-  output with a fault event and a warning, never the sampling or the restores.
+  output with a fault event and a warning, never the sampling or the restores;
+* a *system* agent (``zeus-async agent --system``, root) serves every user its policy lets in
+  (:mod:`.policy`, :mod:`.system`): each connection's user is the kernel's (``SO_PEERCRED``,
+  checked on every message, not only the hello), each change is checked against the policy
+  before it takes a lease, and leases stay per connection, so no user can change, release or
+  restore another's.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import os
 import signal
 import sys
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import anyio
 import msgspec
@@ -36,12 +42,14 @@ import zmq
 import zmq.asyncio
 
 from .._liveness import ProcessWatch
-from .._paths import private_dir
-from ..errors import ConfigError, sole_exception
-from ..events import Measurement
+from .._paths import DIR_ENV_VAR, private_dir
+from ..errors import ConfigError, LeaseConflictError, sole_exception
+from ..events import DeviceInfo, Measurement
 from ..runtime.runtime import Runtime
 from ..store.window_log import window_log_consumer
-from .journal import lock_held
+from .journal import Setting, lock_held
+from .leases import describe_holder
+from .policy import AllocatedGpus, Policy, Who, allocated_from_environ, load_policy, who
 from .protocol import AgentConfig, Bye, Control, Edge, Hello, Reply, error_reply_fields
 
 __all__ = ["EXIT_AGENT_RUNNING", "NODE_LOCK", "NODE_SOCKET", "node_agent_running", "run_agent"]
@@ -76,10 +84,18 @@ def _node_lock() -> Iterator[bool]:
         os.close(fd)
 
 
-def peer_credentials(frame: Any) -> tuple[int, int] | None:
-    """``(uid, pid)`` of the process at the other end of an ipc connection, from the kernel
-    (``SO_PEERCRED``, which libzmq exposes as the frame property ``Peer-Address``:
-    ``host:uid:gid:pid``); ``None`` on a transport without credentials (tcp)."""
+class Peer(NamedTuple):
+    """The kernel's credentials of a connection's process (``SO_PEERCRED``)."""
+
+    uid: int
+    gid: int
+    pid: int
+
+
+def peer_credentials(frame: Any) -> Peer | None:
+    """The credentials of the process at the other end of an ipc connection, from the kernel
+    (``SO_PEERCRED``, which libzmq exposes as the property ``Peer-Address`` of every message
+    frame: ``host:uid:gid:pid``); ``None`` on a transport without credentials (tcp)."""
     try:
         address = frame.get("Peer-Address")
     except (zmq.ZMQError, AttributeError, TypeError):
@@ -88,7 +104,7 @@ def peer_credentials(frame: Any) -> tuple[int, int] | None:
     if len(parts) != 4:
         return None
     try:
-        return int(parts[1]), int(parts[3])
+        return Peer(int(parts[1]), int(parts[2]), int(parts[3]))
     except ValueError:
         return None
 
@@ -100,16 +116,26 @@ class _Client:
     it is dead when that process has exited, zombie or not (:class:`ProcessWatch`).
     """
 
-    __slots__ = ("ident", "label", "measured", "name", "pid", "visible", "watch")
+    __slots__ = ("ident", "label", "measured", "name", "pid", "uid", "visible", "watch", "who")
 
     def __init__(
-        self, ident: bytes, name: str, pid: int, serial: int, visible: list[int] | None
+        self,
+        ident: bytes,
+        name: str,
+        pid: int,
+        serial: int,
+        visible: list[int] | None,
+        who: Who | None = None,
     ) -> None:
         self.ident = ident
         self.pid = pid
         self.name = name
+        # A system agent's client: its user (the kernel's word), named in its lease holder.
+        self.who = who
+        self.uid = who.uid if who is not None else None
         # Unique per connection: two Monitors in one process are two lease holders.
-        self.label = f"{name} (pid {pid}, client {serial})"
+        user = f"{who}, " if who is not None else ""
+        self.label = f"{name} ({user}pid {pid}, client {serial})"
         self.watch = ProcessWatch(pid)
         # The client's GPU i is the agent's GPU visible[i] (None: the same indices).
         self.visible = visible
@@ -158,11 +184,27 @@ class _Client:
 class Agent:
     """One agent's state: its runtime, clients and windows (see the module docstring)."""
 
-    def __init__(self, cfg: AgentConfig, rt: Runtime, router: Any) -> None:
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        rt: Runtime,
+        router: Any,
+        *,
+        policy: Policy | None = None,
+        allocated_gpus: AllocatedGpus | None = None,
+    ) -> None:
         self.cfg = cfg
         self.rt = rt
         self.router = router
         self.private = cfg.owner_pid != 0
+        #: A system agent's policy (``None``: not a system agent), and how it learns the GPUs
+        #: allocated to a client's job where no rule applies.
+        self.policy = policy
+        if policy is not None and allocated_gpus is None:
+            uuids = [d.describe().uuid for d in rt.devices if d.key.startswith("gpu:")]
+            allocated_gpus = allocated_from_environ(uuids)
+        self.allocated_gpus = allocated_gpus
+        self._forged = 0  # messages refused for credentials not the connection's (logged)
         self.clients: dict[bytes, _Client] = {}
         # Agent-side window id -> (client ident, client's window id, client's name).
         self.windows: dict[int, tuple[bytes, int, str]] = {}
@@ -205,16 +247,24 @@ class Agent:
 
     # -- clients ----------------------------------------------------------------------------
 
-    def _identify(self, hello: Hello, peer: tuple[int, int] | None) -> tuple[int, str]:
-        """The client's pid (the kernel's word) and a name unique among the clients.
+    def _identify(self, hello: Hello, peer: Peer | None) -> tuple[int, str, Who | None]:
+        """The client's pid (the kernel's word), a name unique among the clients and (a
+        system agent) its user.
 
         Raises:
             ConfigError: The hello claims another process's pid, comes from another user, or
                 (a private agent) from a process other than its owner.
+            PolicyDeniedError: (A system agent) the policy does not let this user in.
         """
         pid = hello.pid
+        client: Who | None = None
+        if self.policy is not None:
+            if peer is None:
+                raise ConfigError("a system agent serves local (ipc) clients only")
+            client = who(peer.uid, peer.gid)
+            self.policy.check_read(client)
         if peer is not None:
-            uid, pid = peer
+            uid, pid = peer.uid, peer.pid
             if uid != os.getuid() and os.getuid() != 0:
                 raise ConfigError(
                     f"refused a client of uid {uid}: this agent serves uid {os.getuid()}"
@@ -232,20 +282,22 @@ class Agent:
         taken = {c.name for c in self.clients.values()}
         if name in taken:
             name = next(f"{name}#{n}" for n in itertools.count(2) if f"{name}#{n}" not in taken)
-        return pid, name
+        return pid, name, client
 
-    def hello(self, ident: bytes, hello: Hello, peer: tuple[int, int] | None = None) -> None:
+    def hello(self, ident: bytes, hello: Hello, peer: Peer | None = None) -> None:
         if ident in self.clients:
             raise ConfigError("this connection has said hello already")
-        pid, name = self._identify(hello, peer)
+        pid, name, user = self._identify(hello, peer)
         visible = None
         if not self.private:
             visible = self._visible_for(hello.cuda_visible)
-        client = _Client(ident, name, pid, next(self._serials), visible)
+        client = _Client(ident, name, pid, next(self._serials), visible, user)
         tracker = self.rt.tracker
         assert tracker is not None
         gpus = sorted(tracker.gpu_indices)
         devices = [d.describe() for d in self.rt.devices if d.key.startswith("gpu:")]
+        if self.policy is not None and user is not None:
+            devices = [self._within_policy(user, d) for d in devices]
         if visible is not None:
             gpus = list(range(len(visible)))
             by_key = {d.key: d for d in devices}
@@ -279,9 +331,41 @@ class Agent:
                 agent_pid=os.getpid(),
                 board=self.board,
                 board_gpus=client.to_agent(gpus) or [],
+                system=self.policy is not None,
             ),
         )
         logger.info("client %s attached", client.label)
+
+    def _within_policy(self, user: Who, device: DeviceInfo) -> DeviceInfo:
+        """``device`` with the power-limit range ``user`` may set by the policy's rules, so
+        an optimizer profiles only limits it will be granted."""
+        assert self.policy is not None
+        lo, hi = self.policy.power_range(user, int(device.key[4:]))
+        low, high = device.power_limit_min_w, device.power_limit_max_w
+        if lo is not None:
+            low = lo if low is None else max(low, lo)
+        if hi is not None:
+            high = hi if high is None else min(high, hi)
+        return msgspec.structs.replace(device, power_limit_min_w=low, power_limit_max_w=high)
+
+    def verify(self, ident: bytes, frame: Any) -> bool:
+        """Whether a message on a known connection comes from that connection's process (a
+        system agent checks every one: a client that took another's routing id must not act
+        as it)."""
+        client = self.clients.get(ident)
+        if client is None or self.policy is None:
+            return True
+        peer = peer_credentials(frame)
+        if peer is not None and peer.pid == client.pid and peer.uid == client.uid:
+            return True
+        self._forged += 1
+        if self._forged <= 10:
+            logger.warning(
+                "ignored a message on the connection of %s from another process (%s)",
+                client.label,
+                peer,
+            )
+        return False
 
     def _visible_for(self, cuda_visible: str | None) -> list[int] | None:
         if cuda_visible is None:
@@ -346,9 +430,12 @@ class Agent:
         try:
             gpus = client.to_agent(msg.gpus)
             if msg.op in ("set_power_limit", "set_sm_clocks"):
+                await self._permit(client, msg, gpus)
                 # A client that died since the last watch (a job restarted right after a
                 # SIGKILL) gives its leases back first, rather than block this change.
                 await self.reap_dead_clients()
+                if msg.op == "set_sm_clocks" and msg.mhz is None:
+                    self._check_reset(client, gpus)
             if msg.op == "set_power_limit":
                 await self.rt.set_power_limit(
                     msg.watts, gpus, source=msg.source, holder=client.label, pid=client.pid
@@ -365,6 +452,55 @@ class Agent:
             self.send(ident, Reply(kind="control", seq=msg.seq, **error_reply_fields(exc)))  # type: ignore[arg-type]
         else:
             self.send(ident, Reply(kind="control", seq=msg.seq))
+
+    async def _permit(self, client: _Client, msg: Control, gpus: list[int] | None) -> None:
+        """(A system agent) refuse a change the policy does not grant this client's user.
+
+        Raises:
+            PolicyDeniedError: Which GPU and why, naming the policy file.
+        """
+        if self.policy is None or client.who is None or self.allocated_gpus is None:
+            return
+        user = client.who
+        if user.uid == 0:
+            return
+        setting: Setting = "power_limit" if msg.op == "set_power_limit" else "sm_clocks"
+        value = msg.watts if setting == "power_limit" else msg.mhz
+        targets = gpus if gpus is not None else sorted(self._gpu_uuids())
+        job: set[int] | None = None
+        if self.policy.default == "allocated" and any(
+            not any(r.applies(user, g, setting) for r in self.policy.rules) for g in targets
+        ):
+            # The hook may read /proc or ask a scheduler: off the event loop.
+            job = await anyio.to_thread.run_sync(self.allocated_gpus, user.uid, client.pid)
+        self.policy.check_control(user, client.pid, setting, targets, value, lambda: job)
+
+    def _gpu_uuids(self) -> dict[int, str]:
+        """The agent's GPU index -> UUID."""
+        out = {}
+        for d in self.rt.devices:
+            info = d.describe()
+            if info.key.startswith("gpu:"):
+                out[int(info.key[4:])] = info.uuid
+        return out
+
+    def _check_reset(self, client: _Client, gpus: list[int] | None) -> None:
+        """A clock reset is a change too: refused while another client holds the clocks.
+
+        Raises:
+            LeaseConflictError: Naming the holder.
+        """
+        leases = self.rt.leases
+        if leases is None:
+            return
+        uuids = self._gpu_uuids()
+        wanted = [uuids[g] for g in (gpus if gpus is not None else sorted(uuids)) if g in uuids]
+        for entry in leases.held_by(None, wanted, ["sm_clocks"]):
+            if entry.holder != client.label:
+                raise LeaseConflictError(
+                    f"gpu:{entry.gpu}'s locked SM clocks are held by {describe_holder(entry)}; "
+                    "it must release them (or exit) before another client resets them"
+                )
 
     def edge(self, ident: bytes, msg: Edge) -> None:
         client = self.clients.get(ident)
@@ -427,14 +563,70 @@ async def _signals(agent: Agent) -> None:
             return
 
 
-async def run_agent(cfg: AgentConfig, *, ready_line: bool = False) -> int | None:
+class _System(NamedTuple):
+    """A system agent's policy, and who may open its socket and power board."""
+
+    policy: Policy
+    gid: int
+    mode: int
+
+    @property
+    def board_mode(self) -> int:
+        return 0o644 if self.mode == 0o666 and self.policy.read.all else 0o640
+
+
+def _system(cfg: AgentConfig) -> _System | None:
+    """A system agent's policy and socket group (``None``: not a system agent).
+
+    Raises:
+        PolicyError: The policy file cannot be used.
+        ConfigError: The group does not exist.
+    """
+    if not cfg.system:
+        return None
+    from .system import group_id
+
+    gid = group_id(cfg.system_group)
+    policy = load_policy(cfg.policy, group=cfg.system_group)
+    # Only the group reads: the kernel refuses everyone else at the socket already. Others
+    # named by the policy need a socket anyone may open; the agent's check admits them alone.
+    mode = 0o660 if policy.socket_group_only(cfg.system_group) else 0o666
+    return _System(policy, gid, mode)
+
+
+def _seed_routing_ids() -> None:
+    """libzmq numbers a ROUTER's connections from ``rand()``, never seeded: the same numbers in
+    every process. A client that names itself (``ZMQ_ROUTING_ID``) with the number the next
+    client will get makes libzmq abort on an assertion when that client connects. Seeded from
+    the OS, the numbers cannot be guessed (a system agent's clients are other users)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).srand(int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF)
+
+
+async def run_agent(
+    cfg: AgentConfig,
+    *,
+    ready_line: bool = False,
+    allocated_gpus: AllocatedGpus | None = None,
+) -> int | None:
     """Run an agent until it is told to stop (see the module docstring); the signal that
-    stopped it, if one did."""
+    stopped it, if one did.
+
+    ``allocated_gpus(uid, pid)``: (a system agent) the GPUs allocated to a client's job,
+    asked where no policy rule applies (default: :func:`.policy.allocated_from_environ`).
+    """
     from ..devices.sim import SimConfig
 
+    system = _system(cfg)
+    if system is not None:
+        _seed_routing_ids()
     actx = zmq.asyncio.Context()
     router = actx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    # A client that connects with the routing id of another must not take its connection over
+    # (and act as it): refused on a system agent, whose clients are other users.
+    router.setsockopt(zmq.ROUTER_HANDOVER, 0 if system is not None else 1)
     dec = msgspec.msgpack.Decoder(Hello | Edge | Bye | Control)
     sim_config: Any = (
         msgspec.json.decode(cfg.sim_config, type=SimConfig) if cfg.sim_config else None
@@ -449,7 +641,13 @@ async def run_agent(cfg: AgentConfig, *, ready_line: bool = False) -> int | None
     finally:
         os.umask(old_umask)
     try:
-        return await _run_runtime(cfg, router, dec, sim_config, processes, ready_line)
+        if system is not None:  # then the group's (or everyone's: the agent checks each one)
+            from .system import publish_file
+
+            publish_file(_socket_path(cfg), system.gid, system.mode)
+        return await _run_runtime(
+            cfg, router, dec, sim_config, processes, ready_line, system, allocated_gpus
+        )
     except Exception as exc:
         if cfg.owner_pid:
             await _tell_owner(router, dec, sole_exception(exc))
@@ -486,7 +684,12 @@ async def _run_runtime(
     sim_config: Any,
     processes: Any,
     ready_line: bool,
+    system: _System | None = None,
+    allocated_gpus: AllocatedGpus | None = None,
 ) -> int | None:
+    # A system agent's board sits beside its socket (its users map it); others' in the
+    # private directory.
+    board_dir = _socket_path(cfg).parent if system is not None else private_dir()
     if True:
         async with Runtime(
             backend=cfg.backend,
@@ -500,7 +703,7 @@ async def _run_runtime(
             sim_config=sim_config,
             windows=True,
             finalize_timeout_s=cfg.finalize_timeout_s,
-            window_board=str(private_dir() / f"board-{os.getpid()}-{os.urandom(4).hex()}"),
+            window_board=str(board_dir / f"board-{os.getpid()}-{os.urandom(4).hex()}"),
             record=cfg.record,
             overwrite=cfg.overwrite,
             processes=processes,
@@ -521,7 +724,17 @@ async def _run_runtime(
                     ),
                     isolate="window log",
                 )
-            agent = Agent(cfg, rt, router)
+            agent = Agent(
+                cfg,
+                rt,
+                router,
+                policy=system.policy if system is not None else None,
+                allocated_gpus=allocated_gpus,
+            )
+            if system is not None and agent.board is not None:
+                from .system import publish_file
+
+                publish_file(Path(agent.board), system.gid, system.board_mode)
             tracker = rt.tracker
             assert tracker is not None
             tracker.on_result = agent.on_result
@@ -559,6 +772,8 @@ async def _serve(agent: Agent, dec: msgspec.msgpack.Decoder[Any]) -> None:
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 logger.warning("malformed message from a client ignored: %s", exc)
                 continue
+            if agent.policy is not None and not agent.verify(ident, frames[1]):
+                continue
             if isinstance(msg, Edge):
                 agent.edge(ident, msg)
             elif isinstance(msg, Control):
@@ -574,6 +789,13 @@ async def _serve(agent: Agent, dec: msgspec.msgpack.Decoder[Any]) -> None:
                     agent.stopping.set()
 
 
+def _socket_path(cfg: AgentConfig) -> Path:
+    """The file of an ipc endpoint (a system agent's socket)."""
+    if not cfg.endpoint.startswith("ipc://"):
+        raise ConfigError(f"a system agent serves an ipc socket, not {cfg.endpoint}")
+    return Path(cfg.endpoint[len("ipc://") :])
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of a private agent (``python -m zeus_async.agent.server CONFIG_JSON``)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -582,13 +804,46 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(serve(cfg))
 
 
-def serve(cfg: AgentConfig, *, ready_line: bool = False) -> int:
+def system_state_dir(cfg: AgentConfig) -> Path:
+    """A system agent's state directory: ``cfg.state_dir``, else ``<socket dir>/state``."""
+    return Path(cfg.state_dir) if cfg.state_dir else _socket_path(cfg).parent / "state"
+
+
+def enter_system_dirs(cfg: AgentConfig) -> Path:
+    """Make a system agent's directories and point this process's private directory at its
+    state directory (its lock, journals and simulated node state go there); that directory.
+
+    Raises:
+        ConfigError: Not root, or a directory is unsafe (see
+            :func:`.system.prepare_system_dirs`).
+    """
+    from .system import prepare_system_dirs, require_root
+
+    require_root()
+    state = system_state_dir(cfg)
+    prepare_system_dirs(_socket_path(cfg), state)
+    os.environ[DIR_ENV_VAR] = str(state)
+    return state
+
+
+def serve(
+    cfg: AgentConfig, *, ready_line: bool = False, allocated_gpus: AllocatedGpus | None = None
+) -> int:
     """Run an agent in this process; returns an exit code (128 + N when signal N stopped it,
     as for any command stopped by a signal).
 
     A node agent first takes the node lock (exit code :data:`EXIT_AGENT_RUNNING` when another
-    node agent holds it) and restores whatever dead processes left changed.
+    node agent holds it) and restores whatever dead processes left changed. A system agent
+    (``cfg.system``, root only) first makes its socket and state directories, and keeps its
+    lock, journals and simulated node state in the state directory (this process's
+    ``ZEUS_ASYNC_DIR`` becomes it).
     """
+    if cfg.system:
+        try:
+            enter_system_dirs(cfg)
+        except ConfigError as exc:
+            logger.error("%s: %s", type(exc).__name__, exc)
+            return 1
     # A private agent's owner handles the terminal's signals; this process must outlive them
     # long enough to restore (it runs in its own session, and ignores SIGINT until its loop
     # installs handlers).
@@ -598,7 +853,10 @@ def serve(cfg: AgentConfig, *, ready_line: bool = False) -> int:
             return EXIT_AGENT_RUNNING
         try:
             signum = anyio.run(
-                functools.partial(run_agent, cfg, ready_line=ready_line), backend="asyncio"
+                functools.partial(
+                    run_agent, cfg, ready_line=ready_line, allocated_gpus=allocated_gpus
+                ),
+                backend="asyncio",
             )
         except Exception as exc:
             exc = sole_exception(exc)  # type: ignore[assignment]

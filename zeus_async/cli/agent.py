@@ -7,6 +7,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import msgspec
@@ -60,6 +61,41 @@ def add_parsers(sub: Any) -> None:
         metavar="S",
         help="stop S seconds after the last client left",
     )
+    sysg = agt.add_argument_group(
+        "system agent (one per node, many users; docs/agent.md)",
+        "Run as root: serve every user the policy lets in on a group-owned socket, check each "
+        "change against the policy, keep what to restore where only root can write.",
+    )
+    sysg.add_argument(
+        "--system",
+        action="store_true",
+        help="run the system agent (with --restore: restore what a dead system agent left)",
+    )
+    sysg.add_argument(
+        "--socket",
+        metavar="PATH",
+        default=None,
+        help="its socket (default $ZEUS_ASYNC_SYSTEM_AGENT, else /run/zeus-async/agent.sock)",
+    )
+    sysg.add_argument(
+        "--group",
+        metavar="NAME",
+        default="zeus-async",
+        help="the group whose members may connect (default zeus-async)",
+    )
+    sysg.add_argument(
+        "--policy",
+        metavar="FILE",
+        default=None,
+        help="who may read and change what (TOML; default /etc/zeus-async/policy.toml, the "
+        "defaults when it is absent)",
+    )
+    sysg.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        default=None,
+        help="root's directory for its journals and lock (default <socket dir>/state)",
+    )
 
 
 def _agent(args: argparse.Namespace, out: TextIO) -> int:
@@ -69,7 +105,14 @@ def _agent(args: argparse.Namespace, out: TextIO) -> int:
     from ..agent.server import EXIT_AGENT_RUNNING, serve
 
     try:
+        system = _system_options(args)
         if args.restore:
+            if system:
+                from ..agent.journal import journal_dir
+                from ..agent.server import enter_system_dirs
+
+                cfg = node_agent_config(**system)
+                return _restore(recover_orphans(journal_dir(enter_system_dirs(cfg))), out)
             return _restore(recover_orphans(), out)
         cfg = node_agent_config(
             backend=args.backend,
@@ -81,6 +124,7 @@ def _agent(args: argparse.Namespace, out: TextIO) -> int:
             exit_when_idle_s=args.exit_when_idle,
             publish_curve_secret=args.curve_secret,
             publish_curve_allow=args.curve_allow,
+            **system,
         )
         server_curve_from_args(args, "--publish", args.publish)  # checked before serving
         if args.record is not None:
@@ -101,6 +145,45 @@ def _agent(args: argparse.Namespace, out: TextIO) -> int:
     if code > 128:  # stopped by a signal, everything restored: 130 after Ctrl-C
         return code
     return EXIT_OK if code == 0 else EXIT_ERROR
+
+
+def _system_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``--system`` and its options as agent settings (empty without ``--system``), checked:
+    root, and (unless only restoring) the group exists and the policy reads.
+
+    Raises:
+        CliError: A system option without ``--system``.
+        ConfigError: Not root, or no such group; PolicyError: a bad policy file.
+    """
+    given = [
+        flag
+        for flag, value in (
+            ("--socket", args.socket),
+            ("--policy", args.policy),
+            ("--state-dir", args.state_dir),
+            ("--group", None if args.group == "zeus-async" else args.group),
+        )
+        if value is not None
+    ]
+    if not args.system:
+        if given:
+            raise CliError(f"{given[0]} needs --system")
+        return {}
+    from ..agent.policy import load_policy
+    from ..agent.system import group_id, require_root, system_socket
+
+    require_root()
+    if not args.restore:
+        group_id(args.group)
+        load_policy(args.policy, group=args.group)
+    sock = Path(args.socket) if args.socket else system_socket()
+    return {
+        "endpoint": f"ipc://{sock.absolute()}",
+        "system": True,
+        "system_group": args.group,
+        "policy": args.policy,
+        "state_dir": args.state_dir,
+    }
 
 
 def _restore(recovery: Recovery, out: TextIO) -> int:

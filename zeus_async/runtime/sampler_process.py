@@ -156,6 +156,7 @@ class SamplerProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self.attached = attach is not None
         self._agent_pid = 0
+        self._system_agent = False
         self._agent_watch: ProcessWatch | None = None
         self._agent_fd: int | None = None
         # A private agent's socket (removed at close; swept at a later start when its owner
@@ -266,6 +267,8 @@ class SamplerProcess:
         # Attached: watch the agent, which is not our child (a pidfd becomes readable when it
         # exits, zombie or not, and cannot name a later process that reuses the pid).
         self._agent_pid = ready.agent_pid
+        # A system agent's journals are root's: nothing for this process to restore.
+        self._system_agent = ready.system
         if attach is not None and ready.agent_pid:
             self._agent_watch = ProcessWatch(ready.agent_pid)
             self._agent_fd = self._agent_watch.fileno
@@ -495,6 +498,11 @@ class SamplerProcess:
         of its settings, as a clause for the error message."""
         from zeus_async.agent.leases import recover_after
 
+        if self._system_agent:
+            return (
+                "it is the node's system agent: the settings it held are restored when it "
+                "starts again (or by `zeus-async agent --system --restore`, as root)"
+            )
         try:
             return recover_after(self._agent_pid)  # logs what it restores and what it cannot
         except Exception as exc:
