@@ -45,6 +45,8 @@ __all__ = [
     "StreamInfo",
     "WindowClose",
     "WindowOpen",
+    "WorkloadChange",
+    "WorkloadEnergy",
     "described_gpus",
     "event_kind",
     "event_to_dict",
@@ -370,6 +372,46 @@ class RequestIdle(msgspec.Struct, tag="request_idle", **_OPTS):
     policy: str = ""
 
 
+class WorkloadChange(msgspec.Struct, tag="workload", **_OPTS):
+    """A workload (a Slurm job, a pod container, a user's processes) began or ceased to hold
+    GPUs of this host, as the node agent learned it (:mod:`zeus_async.agent.workloads`).
+
+    ``state`` is ``started`` (it holds ``gpus``; sent again when they change), ``ended`` (no
+    source holds it any more; its energy stays exported for a while) or ``expired`` (it is
+    forgotten: exporters drop its series). ``key`` is stable and unique per workload
+    (``slurm:4711``, ``k8s:<namespace>/<pod>/<container>``, ``uid:1001``); the identity fields
+    are ``""`` (``uid``: -1) where unknown.
+    """
+
+    host: str
+    t_ns: int
+    key: str
+    state: Literal["started", "ended", "expired"]
+    kind: str
+    gpus: list[int] = msgspec.field(default_factory=list)
+    job_id: str = ""
+    user: str = ""
+    uid: int = -1
+    partition: str = ""
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
+    command: str = ""
+
+
+class WorkloadEnergy(msgspec.Struct, tag="workload_energy", **_OPTS):
+    """The energy a workload's GPUs drew while it held them, as monotonic counters: GPU index
+    to joules since the workload started on this host (the GPUs' energy counters, credited to
+    the holder of each GPU sample by sample). Sent periodically by the node agent; a counter
+    never goes down, including across agent restarts (the agent keeps its ledger on disk), so
+    ``increase()`` over any range survives missed scrapes."""
+
+    host: str
+    t_ns: int
+    key: str
+    gpu_energy_j: dict[int, float]
+
+
 Event = (
     GpuSample
     | RaplSample
@@ -385,6 +427,8 @@ Event = (
     | OptimizerState
     | RequestMeasurement
     | RequestIdle
+    | WorkloadChange
+    | WorkloadEnergy
 )
 """The tagged union of every event kind."""
 
@@ -434,6 +478,8 @@ def event_topic(event: Event) -> str:
         return f"request/{event.host}/{event.request_id}"
     if isinstance(event, RequestIdle):
         return f"request/{event.host}"
+    if isinstance(event, (WorkloadChange, WorkloadEnergy)):
+        return f"workload/{event.host}/{event.key}"
     return f"stream/{event.host}"
 
 

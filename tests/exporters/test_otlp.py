@@ -126,6 +126,61 @@ def test_points_resource_and_conventions(receiver: Receiver) -> None:
     }
 
 
+def test_workload_energy_points_carry_the_workloads_attributes(receiver: Receiver) -> None:
+    from zeus_async.events import WorkloadChange, WorkloadEnergy
+    from zeus_async.exporters.otlp import OtlpExporter
+
+    exporter = OtlpExporter(receiver.url, interval_s=60)
+    devices = [DeviceInfo("gpu:0", "NVIDIA H100 80GB HBM3", uuid="GPU-abc")]
+    pod = "k8s:ml/train-0/main"
+    exporter.add(
+        [
+            StreamInfo(H, T0, "s", devices=devices),
+            WorkloadChange(H, T0, "slurm:4711", "started", "slurm", [0], "4711", "alice", 1001),
+            WorkloadChange(
+                H,
+                T0,
+                pod,
+                "started",
+                "kubernetes",
+                [1],
+                namespace="ml",
+                pod="train-0",
+                container="main",
+            ),
+            WorkloadChange(H, T0, "slurm:9", "started", "slurm", [0], "9"),
+            WorkloadEnergy(H, T0, "slurm:4711", {0: 1234.5}),
+            WorkloadEnergy(H, T0, pod, {1: 99.0}),
+            WorkloadEnergy(H, T0, "slurm:9", {0: 1.0}),
+            WorkloadChange(H, T0, "slurm:9", "expired", "slurm"),
+        ]
+    )
+    assert exporter.flush()
+    exporter.close()
+    points = {
+        a["zeus.workload"]: (a, p.as_double)
+        for _, n, (_, _, p), a in receiver.points()
+        if n == "zeus.workload.energy"
+    }
+    assert set(points) == {"slurm:4711", pod}
+    attrs, value = points["slurm:4711"]
+    assert value == 1234.5
+    assert attrs == {
+        "zeus.workload": "slurm:4711",
+        "zeus.workload.kind": "slurm",
+        "slurm.job.id": "4711",
+        "user.name": "alice",
+        "hw.id": "GPU-abc",
+        "hw.type": "gpu",
+        "hw.name": "NVIDIA H100 80GB HBM3",
+        "host.name": H,
+        "zeus.gpu.index": 0,
+    }
+    attrs, value = points[pod]
+    assert value == 99.0 and attrs["k8s.pod.name"] == "train-0"
+    assert attrs["k8s.namespace.name"] == "ml" and attrs["k8s.container.name"] == "main"
+
+
 def test_window_names_are_capped(receiver: Receiver) -> None:
     from zeus_async.exporters.otlp import OtlpExporter
 

@@ -368,7 +368,7 @@ def test_collector_protocol_and_a_caller_registry() -> None:
 
     NoCollect()  # registers itself: describe() is enough
     described = PrometheusExporter().describe()
-    assert len(described) == 30 and not any(m.samples for m in described)
+    assert len(described) == 31 and not any(m.samples for m in described)
     registry = CollectorRegistry()
     other = Gauge("other_metric", "Something else.", registry=registry)
     other.set(3)

@@ -22,14 +22,16 @@ import sys
 import time
 
 import msgspec
+import zmq
 
 from .._paths import private_dir
 from ..errors import ConfigError
-from .protocol import AgentConfig
+from .protocol import AgentConfig, Bye, Control, Hello, Reply, error_from_reply
 from .server import EXIT_AGENT_RUNNING, NODE_SOCKET, node_agent_running
 from .system import SYSTEM_SOCKET_ENV_VAR, probe_system_agent, system_socket
 
 __all__ = [
+    "agent_request",
     "check_endpoint",
     "ensure_node_agent",
     "node_agent_config",
@@ -136,3 +138,47 @@ def ensure_node_agent(timeout_s: float = 60.0) -> str:
             return cfg.endpoint
         time.sleep(0.05)
     raise RuntimeError(f"the node agent did not start within {timeout_s:g} s (log: {log_path})")
+
+
+def agent_request(
+    endpoint: str, control: Control, *, timeout_s: float = 10.0, name: str = "request"
+) -> Reply:
+    """One control request to an agent, as a short-lived client (``zeus-async job``, a
+    Slurm prolog): hello, the request, goodbye; the agent's reply.
+
+    Raises:
+        TimeoutError: The agent did not answer within ``timeout_s``.
+        Exception: The agent's error, typed as it raised it (``ConfigError``,
+            ``PolicyDeniedError``, ...).
+    """
+    check_endpoint(endpoint)
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(endpoint)
+        enc = msgspec.msgpack.Encoder()
+        dec = msgspec.msgpack.Decoder(Reply)
+        deadline = time.monotonic() + timeout_s
+
+        def receive(kind: str) -> Reply:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sock.poll(max(1, round(left * 1e3))):
+                    raise TimeoutError(
+                        f"the agent at {endpoint} did not answer within {timeout_s:g} s"
+                    )
+                reply = dec.decode(sock.recv())
+                if reply.kind == "error" or (reply.kind == "control" and reply.error_type):
+                    raise error_from_reply(reply)
+                if reply.kind == kind:
+                    return reply
+
+        sock.send(enc.encode(Hello(pid=os.getpid(), name=name, gpus=[])))
+        receive("ready")
+        sock.send(enc.encode(control))
+        reply = receive("control")
+        sock.send(enc.encode(Bye()))
+        return reply
+    finally:
+        ctx.destroy(linger=0)

@@ -77,6 +77,16 @@ class AgentConfig(msgspec.Struct, frozen=True):
     system_group: str = "zeus-async"
     policy: str | None = None
     state_dir: str | None = None
+    #: Host id stamped on the events (default: the host name); several agents on one machine
+    #: (a test of a cluster) each need their own.
+    host: str | None = None
+    #: Learn which workload (Slurm job, pod container, user) holds each GPU and keep energy
+    #: per workload (:mod:`.ledger`); a node or system agent does by default.
+    workloads: bool = False
+    #: The kubelet's PodResources socket, read for pods (``None``: no Kubernetes source).
+    k8s_socket: str | None = None
+    #: How long an ended workload's figures stay exported (seconds).
+    workload_expire_s: float = 300.0
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True):
@@ -107,7 +117,43 @@ class Bye(msgspec.Struct, tag="stop", array_like=True):
     then exits)."""
 
 
-ControlOp = Literal["set_power_limit", "set_sm_clocks", "publish", "release"]
+ControlOp = Literal[
+    "set_power_limit", "set_sm_clocks", "publish", "release", "job_start", "job_end", "jobs"
+]
+
+
+class JobSpec(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A Slurm job as its prolog announces it (``job_start``) or its epilog ends it
+    (``job_end``: only ``job_id`` counts). ``gpus``: NVML indices or ``GPU-...`` UUIDs."""
+
+    job_id: str
+    gpus: list[str] = []
+    user: str | None = None
+    uid: int | None = None
+    partition: str | None = None
+    name: str | None = None
+
+
+class JobReport(msgspec.Struct, omit_defaults=True):
+    """A workload's energy as the agent's ledger has it (``job_end``, ``jobs``)."""
+
+    key: str
+    kind: str
+    gpus: list[int] = []
+    energy_j: dict[int, float] = {}
+    job_id: str | None = None
+    user: str | None = None
+    uid: int | None = None
+    partition: str | None = None
+    namespace: str | None = None
+    pod: str | None = None
+    container: str | None = None
+    started_ns: int | None = None
+    ended_ns: int | None = None
+
+    @property
+    def total_j(self) -> float:
+        return sum(self.energy_j.values())
 
 
 class Control(msgspec.Struct, tag="control", array_like=True):
@@ -115,7 +161,9 @@ class Control(msgspec.Struct, tag="control", array_like=True):
 
     ``op`` is ``set_power_limit`` (``watts`` on ``gpus``, all when ``None``), ``set_sm_clocks``
     (``mhz`` on ``gpus``; ``None`` resets), ``release`` (put back what this client changed on
-    ``gpus``; ``setting`` narrows it) or ``publish`` (``event`` published on the agent's hub).
+    ``gpus``; ``setting`` narrows it), ``publish`` (``event`` published on the agent's hub),
+    ``job_start`` / ``job_end`` (a Slurm prolog announces ``job``, its epilog ends it and gets
+    its energy back) or ``jobs`` (every workload the agent knows, with its energy).
     """
 
     seq: int
@@ -126,6 +174,8 @@ class Control(msgspec.Struct, tag="control", array_like=True):
     event: Event | None = None
     mhz: float | None = None
     setting: Literal["power_limit", "sm_clocks"] | None = None
+    #: ``job_start`` / ``job_end``: the job (a prolog's or epilog's; root or the agent's user).
+    job: JobSpec | None = None
 
 
 class Reply(msgspec.Struct, omit_defaults=True):
@@ -154,6 +204,8 @@ class Reply(msgspec.Struct, omit_defaults=True):
     #: For ``error`` replies about a path: the path (``FileNotFoundError`` and friends).
     filename: str | None = None
     errno: int | None = None
+    #: ``control`` replies to ``job_end`` (the job) and ``jobs`` (every workload known).
+    jobs: list[JobReport] = []
 
 
 _BUILTIN_ERRORS: dict[str, type[Exception]] = {

@@ -43,14 +43,25 @@ import zmq.asyncio
 
 from .._liveness import ProcessWatch
 from .._paths import DIR_ENV_VAR, private_dir
-from ..errors import ConfigError, LeaseConflictError, sole_exception
+from ..errors import ConfigError, LeaseConflictError, PolicyDeniedError, sole_exception
 from ..events import DeviceInfo, Measurement
 from ..runtime.runtime import Runtime
 from ..store.window_log import window_log_consumer
 from .journal import Setting, lock_held
 from .leases import describe_holder
+from .ledger import LEDGER_FILE, WorkloadLedger
 from .policy import AllocatedGpus, Policy, Who, allocated_from_environ, load_policy, who
-from .protocol import AgentConfig, Bye, Control, Edge, Hello, Reply, error_reply_fields
+from .protocol import (
+    AgentConfig,
+    Bye,
+    Control,
+    Edge,
+    Hello,
+    JobReport,
+    Reply,
+    error_reply_fields,
+)
+from .workloads import WorkloadResolver
 
 __all__ = ["EXIT_AGENT_RUNNING", "NODE_LOCK", "NODE_SOCKET", "node_agent_running", "run_agent"]
 
@@ -58,6 +69,8 @@ logger = logging.getLogger(__name__)
 
 #: How often client and owner processes are checked for life (seconds).
 _WATCH_S = 0.2
+#: Longest an epilog's ``job_end`` waits for the job's GPUs' counters to move (seconds).
+_SETTLE_S = 1.0
 #: Exit code of a node agent that found another node agent running.
 EXIT_AGENT_RUNNING = 3
 #: Names in the private directory: the node agent's socket and the lock it holds.
@@ -204,6 +217,8 @@ class Agent:
             uuids = [d.describe().uuid for d in rt.devices if d.key.startswith("gpu:")]
             allocated_gpus = allocated_from_environ(uuids)
         self.allocated_gpus = allocated_gpus
+        #: Energy per workload (a node or system agent with ``workloads``), else ``None``.
+        self.ledger: WorkloadLedger | None = None
         self._forged = 0  # messages refused for credentials not the connection's (logged)
         self.clients: dict[bytes, _Client] = {}
         # Agent-side window id -> (client ident, client's window id, client's name).
@@ -427,6 +442,14 @@ class Agent:
         client = self.clients.get(ident)
         if client is None:
             return
+        if msg.op in ("job_start", "job_end", "jobs"):
+            try:
+                jobs = await self._jobs(client, msg)
+            except Exception as exc:
+                self.send(ident, Reply(kind="control", seq=msg.seq, **error_reply_fields(exc)))  # type: ignore[arg-type]
+            else:
+                self.send(ident, Reply(kind="control", seq=msg.seq, jobs=jobs))
+            return
         try:
             gpus = client.to_agent(msg.gpus)
             if msg.op in ("set_power_limit", "set_sm_clocks"):
@@ -452,6 +475,48 @@ class Agent:
             self.send(ident, Reply(kind="control", seq=msg.seq, **error_reply_fields(exc)))  # type: ignore[arg-type]
         else:
             self.send(ident, Reply(kind="control", seq=msg.seq))
+
+    async def _jobs(self, client: _Client, msg: Control) -> list[JobReport]:
+        """``job_start``, ``job_end`` and ``jobs`` (see :class:`.protocol.Control`).
+
+        Raises:
+            ConfigError: The agent keeps no workloads, no job given, or a bad job.
+            PolicyDeniedError: (a system agent) a job announced or ended by another user
+                than root.
+        """
+        ledger = self.ledger
+        if ledger is None or ledger.resolver.slurm is None:
+            raise ConfigError("this agent keeps no energy per job (a private agent)")
+        if msg.op == "jobs":
+            return ledger.reports()
+        if msg.job is None:
+            raise ConfigError(f"{msg.op} needs a job")
+        if client.who is not None and client.who.uid != 0:
+            raise PolicyDeniedError(
+                f"only root may {msg.op.replace('_', ' ')} (a Slurm prolog or epilog); "
+                f"{client.who} may not"
+            )
+        slurm = ledger.resolver.slurm
+        if msg.op == "job_start":
+            job = msg.job
+            slurm.register(job.job_id, job.gpus, job.user, job.uid, job.partition, job.name)
+            await ledger.tick(self.rt.publish)  # announced at once
+            return []
+        key = f"slurm:{msg.job.job_id.strip()}"
+        gpus = [g for r in ledger.reports() if r.key == key for g in r.gpus]
+        if not slurm.unregister(msg.job.job_id):
+            raise ConfigError(f"job {msg.job.job_id} was not started on this agent")
+        # The energy up to now is credited once each of its GPUs' counters has moved since
+        # (at most a counter period, ~0.1 s): that step is shared with the job by time.
+        ended = self.rt.clock.wall_ns()
+        with anyio.move_on_after(_SETTLE_S):
+            while not ledger.settled(gpus, ended):
+                await anyio.sleep(0.01)
+        reports = [r for r in ledger.reports() if r.key == key]
+        for r in reports:
+            r.ended_ns = r.ended_ns or ended
+        await ledger.tick(self.rt.publish)  # its end announced at once
+        return reports
 
     async def _permit(self, client: _Client, msg: Control, gpus: list[int] | None) -> None:
         """(A system agent) refuse a change the policy does not grant this client's user.
@@ -713,6 +778,7 @@ async def _run_runtime(
             prometheus_names=cfg.prometheus_names,
             otlp=cfg.otlp,
             otlp_interval_s=cfg.otlp_interval_s,
+            host=cfg.host,
         ) as rt:
             if cfg.log_file:
                 rank = cfg.meta.get("rank")
@@ -724,6 +790,11 @@ async def _run_runtime(
                     ),
                     isolate="window log",
                 )
+            ledger = _workload_ledger(cfg, rt) if cfg.workloads else None
+            if ledger is not None:
+                rt.start_consumer(ledger.consume, isolate="workload ledger")
+                if allocated_gpus is None and system is not None:
+                    allocated_gpus = _allocated_by(ledger.resolver, rt)
             agent = Agent(
                 cfg,
                 rt,
@@ -731,6 +802,7 @@ async def _run_runtime(
                 policy=system.policy if system is not None else None,
                 allocated_gpus=allocated_gpus,
             )
+            agent.ledger = ledger
             if system is not None and agent.board is not None:
                 from .system import publish_file
 
@@ -739,16 +811,60 @@ async def _run_runtime(
             assert tracker is not None
             tracker.on_result = agent.on_result
             if ready_line:
-                print(f"agent ready: {cfg.endpoint}", flush=True)  # noqa: T201
+                metrics = rt.prometheus_port
+                where = "" if metrics is None else f" (metrics on port {metrics})"
+                print(f"agent ready: {cfg.endpoint}{where}", flush=True)  # noqa: T201
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_signals, agent)
                 tg.start_soon(agent.watch)
                 tg.start_soon(_serve, agent, dec)
+                if ledger is not None:
+                    tg.start_soon(ledger.run, rt.publish)
                 await agent.stopping.wait()
                 tg.cancel_scope.cancel()
             for ident in list(agent.clients):
                 await agent.goodbye(ident)
             return agent.signum
+
+
+def _workload_ledger(cfg: AgentConfig, rt: Runtime) -> WorkloadLedger:
+    """Who holds each GPU (Slurm always; the kubelet when ``k8s_socket`` is set) and the
+    energy per workload, kept in this agent's directory across restarts."""
+    from .kubernetes import KubernetesSource
+    from .slurm import SlurmSource
+    from .workloads import WorkloadResolver
+
+    gpus = sorted(
+        (d.describe() for d in rt.devices if d.key.startswith("gpu:")),
+        key=lambda d: int(d.key.split(":")[1]),
+    )
+    resolver = WorkloadResolver(
+        slurm=SlurmSource(),
+        kubernetes=KubernetesSource(cfg.k8s_socket) if cfg.k8s_socket else None,
+        gpu_uuids=[d.uuid for d in gpus],
+        expire_s=cfg.workload_expire_s,
+    )
+    return WorkloadLedger(resolver, host=rt.host, state_path=private_dir() / LEDGER_FILE)
+
+
+def _allocated_by(resolver: WorkloadResolver, rt: Runtime) -> AllocatedGpus:
+    """The policy's allocated-GPUs hook from the workload resolver: the GPUs the client's job
+    holds (announced by its prolog, or read from its cgroup and environment); for a process
+    in no job, what its environment says (:func:`.policy.allocated_from_environ`)."""
+    uuids = [d.describe().uuid for d in rt.devices if d.key.startswith("gpu:")]
+    fallback = allocated_from_environ(uuids)
+    count = len(uuids)
+
+    def allocated(uid: int, pid: int) -> set[int] | None:
+        w = resolver.for_pid(pid)
+        if w.kind == "process":
+            return fallback(uid, pid)
+        held = {
+            g for g in range(count) if (h := resolver.for_gpu(g)) is not None and h.key == w.key
+        }
+        return held or fallback(uid, pid)
+
+    return allocated
 
 
 async def _serve(agent: Agent, dec: msgspec.msgpack.Decoder[Any]) -> None:

@@ -4,6 +4,8 @@ Commands (one module of this package per group):
     monitor     sample GPUs (and RAPL), show a live per-device view; totals at the end
                 (:mod:`.monitor`)
     agent       run the node agent, or only restore what dead processes left (:mod:`.agent`)
+    job         announce a Slurm job to the agent, or end it (prolog, epilog; :mod:`.jobs`)
+    jobs        energy per job, pod container and user: live, or from a recording
     subscribe   print events from a publisher (``--json``: one JSON object per line)
     proxy       forward the streams of many publishers to one endpoint (:mod:`.streams`)
     inspect     summary of a recording (devices, duration, energy, windows, damage)
@@ -36,7 +38,7 @@ import anyio
 
 from .. import __version__
 from ..errors import ZeusAsyncError, sole_exception
-from . import agent, curve, monitor, pfo, processes, recordings, streams
+from . import agent, curve, jobs, monitor, pfo, processes, recordings, streams
 from .common import (
     EXIT_ERROR,
     EXIT_USAGE,
@@ -54,7 +56,7 @@ __all__ = ["build_parser", "format_event", "main"]
 logger = logging.getLogger(__name__)
 
 #: The command modules, in the order of ``--help``.
-_MODULES = (monitor, agent, streams, recordings, processes, pfo, curve)
+_MODULES = (monitor, agent, jobs, streams, recordings, processes, pfo, curve)
 
 
 def build_parser() -> argparse.ArgumentParser:

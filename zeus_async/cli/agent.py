@@ -61,6 +61,48 @@ def add_parsers(sub: Any) -> None:
         metavar="S",
         help="stop S seconds after the last client left",
     )
+    agt.add_argument(
+        "--prometheus-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics on PORT (per GPU and per workload; 0: any free port)",
+    )
+    agt.add_argument(
+        "--prometheus-addr",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="address the metrics are served on (default 127.0.0.1; 0.0.0.0 for every one)",
+    )
+    agt.add_argument(
+        "--host-id",
+        default=None,
+        metavar="ID",
+        help="host id on every event and series (default: the host name)",
+    )
+    wl = agt.add_argument_group(
+        "workloads (docs/workloads.md)",
+        "Which Slurm job, pod container or user holds each GPU, and energy per workload.",
+    )
+    wl.add_argument(
+        "--no-workloads",
+        action="store_true",
+        help="keep no energy per workload (jobs announced by prologs are refused)",
+    )
+    wl.add_argument(
+        "--k8s-socket",
+        metavar="PATH",
+        default=None,
+        help="the kubelet's PodResources socket, for pods "
+        "(e.g. /var/lib/kubelet/pod-resources/kubelet.sock)",
+    )
+    wl.add_argument(
+        "--workload-expire",
+        type=positive_float,
+        default=300.0,
+        metavar="S",
+        help="how long an ended workload's figures stay exported (default 300 s)",
+    )
     sysg = agt.add_argument_group(
         "system agent (one per node, many users; docs/agent.md)",
         "Run as root: serve every user the policy lets in on a group-owned socket, check each "
@@ -124,6 +166,12 @@ def _agent(args: argparse.Namespace, out: TextIO) -> int:
             exit_when_idle_s=args.exit_when_idle,
             publish_curve_secret=args.curve_secret,
             publish_curve_allow=args.curve_allow,
+            prometheus_port=args.prometheus_port,
+            prometheus_addr=args.prometheus_addr,
+            host=args.host_id,
+            workloads=not args.no_workloads,
+            k8s_socket=args.k8s_socket,
+            workload_expire_s=args.workload_expire,
             **system,
         )
         server_curve_from_args(args, "--publish", args.publish)  # checked before serving

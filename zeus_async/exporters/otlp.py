@@ -14,7 +14,13 @@ Names follow OpenTelemetry's hardware semantic conventions where they exist:
   (Cel), ``hw.gpu.sm_clock`` (Hz, not a convention yet) per GPU;
 * ``zeus.window.energy`` (J, cumulative, per ``zeus.window`` and ``hw.id``) and
   ``zeus.window.count``, for at most ``max_windows`` window names (the least recently finished
-  one makes room; ``zeus.exporter.evicted`` counts them).
+  one makes room; ``zeus.exporter.evicted`` counts them);
+* ``zeus.workload.energy`` (J, cumulative, per workload and GPU, from the node agent's ledger,
+  :mod:`zeus_async.agent.ledger`) with ``zeus.workload`` (the key: ``slurm:4711``,
+  ``k8s:<namespace>/<pod>/<container>``, ``uid:1001``), ``zeus.workload.kind``, and where
+  known ``slurm.job.id``, ``user.name``, ``slurm.partition``, ``k8s.namespace.name``,
+  ``k8s.pod.name``, ``k8s.container.name`` (OpenTelemetry's Kubernetes resource names); a
+  workload's points stop once the agent forgets it.
 
 Every GPU point carries ``hw.id`` (its UUID once the stream's description has named it, else
 ``gpu:N``), ``hw.name`` (the model), ``hw.type``, ``host.name`` and ``zeus.gpu.index``. The
@@ -43,6 +49,8 @@ from ..events import (
     Measurement,
     RaplSample,
     StreamInfo,
+    WorkloadChange,
+    WorkloadEnergy,
     described_gpus,
     window_energies,
 )
@@ -54,6 +62,15 @@ logger = logging.getLogger(__name__)
 
 MISSING = "OpenTelemetry export needs: pip install 'zeus_async[otel]'"
 
+#: Workload identity fields and their attribute names.
+_WORKLOAD_ATTRIBUTES = (
+    ("job_id", "slurm.job.id"),
+    ("user", "user.name"),
+    ("partition", "slurm.partition"),
+    ("namespace", "k8s.namespace.name"),
+    ("pod", "k8s.pod.name"),
+    ("container", "k8s.container.name"),
+)
 #: GPU fields exported, as (event field, instrument name, unit, scale).
 _GPU_GAUGES = (
     ("power_w", "hw.power", "W", 1.0),
@@ -119,6 +136,9 @@ class OtlpExporter(ClosedOnExit):
         self._rapl: dict[tuple[str, int, str], list[float | None]] = {}
         # (host, window) -> device -> [joules total, windows]; least recently finished first.
         self._windows: OrderedDict[tuple[str, str], dict[str, list[float]]] = OrderedDict()
+        # (host, workload key) -> its attributes; -> GPU index -> joules.
+        self._workload_info: dict[tuple[str, str], dict[str, str]] = {}
+        self._workloads: dict[tuple[str, str], dict[int, float]] = {}
         #: Window names dropped past ``max_windows``.
         self.evicted = 0
         #: Events handled by :meth:`add`.
@@ -178,6 +198,12 @@ class OtlpExporter(ClosedOnExit):
             description="Finished windows of a name",
         )
         meter.create_observable_counter(
+            "zeus.workload.energy",
+            callbacks=[self._workload_callback],
+            unit="J",
+            description="GPU energy drawn while the workload held the GPU",
+        )
+        meter.create_observable_counter(
             "zeus.exporter.evicted",
             callbacks=[self._evicted_callback],
             unit="{series}",
@@ -210,7 +236,24 @@ class OtlpExporter(ClosedOnExit):
                 elif type(e) is StreamInfo:
                     for gpu, d in described_gpus(e):
                         self._gpu_info[(e.host, gpu)] = (d.uuid, d.name)
+                elif type(e) is WorkloadEnergy:
+                    self._workloads[(e.host, e.key)] = dict(e.gpu_energy_j)
+                elif type(e) is WorkloadChange:
+                    self._add_workload_change(e)
             self.events += n
+
+    def _add_workload_change(self, e: WorkloadChange) -> None:
+        key = (e.host, e.key)
+        if e.state == "expired":
+            self._workload_info.pop(key, None)
+            self._workloads.pop(key, None)
+            return
+        info = {"zeus.workload": e.key, "zeus.workload.kind": e.kind}
+        for field, name in _WORKLOAD_ATTRIBUTES:
+            value = getattr(e, field)
+            if value:
+                info[name] = value
+        self._workload_info[key] = info
 
     def _add_measurement(self, e: Measurement) -> None:
         key = (e.host, e.name)
@@ -294,6 +337,24 @@ class OtlpExporter(ClosedOnExit):
                 yield Observation(value, attributes)
 
         return observe
+
+    def _workload_callback(self, options: Any) -> Iterator[Any]:
+        from opentelemetry.metrics import Observation
+
+        with self._lock:
+            points = [
+                (
+                    {
+                        **self._workload_info.get((host, key), {"zeus.workload": key}),
+                        **self._gpu_attributes(host, gpu),
+                    },
+                    joules,
+                )
+                for (host, key), gpus in self._workloads.items()
+                for gpu, joules in gpus.items()
+            ]
+        for attributes, value in points:
+            yield Observation(value, attributes)
 
     def _evicted_callback(self, options: Any) -> Iterator[Any]:
         from opentelemetry.metrics import Observation

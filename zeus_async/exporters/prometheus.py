@@ -24,6 +24,13 @@ Metrics (prefix ``zeus_``, Prometheus base units, ``_total`` on counters; every 
   ``zeus_process_gpu_memory_bytes``, ``zeus_process_gpu_sm_share_ratio``,
   ``zeus_process_gpu_memory_share_ratio``, ``zeus_process_gpu_power_share_ratio``,
   ``zeus_process_gpu_power_watts``, ``zeus_process_gpu_energy_joules_total``.
+* Workloads, from the node agent's ledger (labels ``host``, ``gpu``, ``UUID``, ``workload``
+  (the key: ``slurm:4711``, ``k8s:<namespace>/<pod>/<container>``, ``uid:1001``), ``kind``,
+  ``job_id``, ``user``, ``partition``, ``namespace``, ``pod``, ``container``):
+  ``zeus_workload_gpu_energy_joules_total``, a counter that never goes down, across agent
+  restarts too (:mod:`zeus_async.agent.ledger`), so ``sum by (job_id) (increase(...))`` holds
+  over missed scrapes. A workload's series go when the agent forgets it (``expired``), or
+  ``window_ttl_s`` after its last update.
 * Measurement windows (labels ``host``, ``window``; ``device`` = ``gpu:0``, ``cpu:0``,
   ``dram:0`` on energies): ``zeus_window_last_energy_joules`` (latest window),
   ``zeus_window_duration_seconds`` (latest window), ``zeus_window_energy_joules_total`` (all
@@ -84,6 +91,8 @@ from ..events import (
     ProcessSample,
     RaplSample,
     StreamInfo,
+    WorkloadChange,
+    WorkloadEnergy,
     described_gpus,
     window_energies,
 )
@@ -103,6 +112,7 @@ from .prometheus_families import (
     _RAPL_FIELDS,
     _WINDOW_DEVICE_FAMILIES,
     _WINDOW_FAMILIES,
+    _WORKLOAD_FAMILIES,
     _Family,
     _go_float,
     _gpu_values,
@@ -188,6 +198,9 @@ class PrometheusExporter(ClosedOnExit):
         self._proc_gpus: dict[tuple[str, int, int], _Row] = {}
         self._windows: dict[tuple[str, str], _Row] = {}
         self._window_devices: dict[tuple[str, str, str], _Row] = {}
+        # (host, workload key, GPU index) -> its energy counter; (host, key) -> its labels.
+        self._workloads: dict[tuple[str, str, int], _Row] = {}
+        self._workload_info: dict[tuple[str, str], dict[str, str]] = {}
         self._tables: tuple[tuple[dict[Any, _Row], tuple[_Family, ...]], ...] = (
             (self._gpus, _DCGM_FAMILIES if names == "dcgm" else _GPU_FAMILIES),
             (self._rapl, _RAPL_FAMILIES),
@@ -195,6 +208,7 @@ class PrometheusExporter(ClosedOnExit):
             (self._proc_gpus, _PROC_GPU_FAMILIES),
             (self._window_devices, _WINDOW_DEVICE_FAMILIES),
             (self._windows, _WINDOW_FAMILIES),
+            (self._workloads, _WORKLOAD_FAMILIES),
             (self._evictions, _EXPORTER_FAMILIES),
         )
         self._own_registry = registry is None
@@ -235,6 +249,10 @@ class PrometheusExporter(ClosedOnExit):
                     self._add_measurement(e)
                 elif type(e) is StreamInfo:
                     self._add_stream(e)
+                elif type(e) is WorkloadEnergy:
+                    self._add_workload_energy(e)
+                elif type(e) is WorkloadChange:
+                    self._add_workload_change(e)
             self.events += n
 
     async def run(self, stream: EventBatches | anyio.abc.ObjectReceiveStream[Event]) -> None:
@@ -334,6 +352,43 @@ class PrometheusExporter(ClosedOnExit):
             drow.values[0] = joules
             drow.values[1] = (drow.values[1] or 0.0) + joules
 
+    def _workload_labels(self, host: str, key: str, gpu: int) -> dict[str, str]:
+        labels = {"host": host, "gpu": str(gpu)}
+        info = self._gpu_info.get((host, gpu))
+        if info is not None:
+            labels["UUID"] = info[0]
+        labels["workload"] = key
+        labels.update(self._workload_info.get((host, key), {}))
+        return labels
+
+    def _add_workload_change(self, e: WorkloadChange) -> None:
+        wkey = (e.host, e.key)
+        if e.state == "expired":
+            self._workload_info.pop(wkey, None)
+            for k in [k for k in self._workloads if k[:2] == wkey]:
+                del self._workloads[k]
+            return
+        info = {"kind": e.kind}
+        for name in ("job_id", "user", "partition", "namespace", "pod", "container"):
+            value = getattr(e, name)
+            if value:
+                info[name] = value
+        if self._workload_info.get(wkey) == info:
+            return
+        self._workload_info[wkey] = info
+        for k, row in self._workloads.items():
+            if k[:2] == wkey:  # described after its first figures: relabel
+                row.labels, row.texts = _labels(self._workload_labels(*k))
+
+    def _add_workload_energy(self, e: WorkloadEnergy) -> None:
+        for gpu, joules in e.gpu_energy_j.items():
+            k = (e.host, e.key, gpu)
+            row = self._workloads.get(k)
+            if row is None:
+                row = self._workloads[k] = _Row(_labels(self._workload_labels(*k)), 1, e.t_ns)
+            row.t_ns = e.t_ns
+            row.values[0] = joules
+
     def _drop_window(self, key: tuple[str, str]) -> None:
         """Forget a window name and its per-device series (counted as evicted)."""
         del self._windows[key]
@@ -373,11 +428,13 @@ class PrometheusExporter(ClosedOnExit):
         ttl = self._window_ttl_ns
         for key in [k for k, row in self._windows.items() if newest[k[0]] - row.t_ns > ttl]:
             self._drop_window(key)
+        for wkey in [k for k, row in self._workloads.items() if newest[k[0]] - row.t_ns > ttl]:
+            del self._workloads[wkey]
 
     def _snapshot(self) -> _Snapshot:
         """Evict stale processes and copy every row's values: the only work under the lock."""
         with self._lock:
-            if self._procs or self._proc_gpus or self._windows:
+            if self._procs or self._proc_gpus or self._windows or self._workloads:
                 self._evict_stale()
             return [
                 (families, [(row, row.values.copy()) for row in table.values()])

@@ -122,6 +122,16 @@ _EXPORTER_FAMILIES: Final = (
     ),
 )
 
+_WORKLOAD_FAMILIES: Final = (
+    _counter(
+        "zeus_workload_gpu_energy_joules_total",
+        "joules",
+        "GPU energy drawn while the workload (Slurm job, pod container, user) held the GPU, "
+        "in joules; never goes down, across agent restarts too.",
+        0,
+    ),
+)
+
 _RAPL_FIELDS: Final = ("power_w", "energy_j")
 _RAPL_FAMILIES: Final = (
     _gauge(

@@ -18,7 +18,13 @@ from typing import IO, Any
 
 from ..devices.sim_config import SimConfig
 
-__all__ = ["run_ranks", "sim_env", "start_node_agent", "start_restore_job"]
+__all__ = [
+    "run_ranks",
+    "sim_env",
+    "start_node_agent",
+    "start_node_agent_ready",
+    "start_restore_job",
+]
 
 #: The directory holding the ``zeus_async`` package (put on children's ``PYTHONPATH``).
 _SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
@@ -67,8 +73,16 @@ def start_node_agent(
     Raises:
         RuntimeError: It exited or printed something else first (with its stderr).
     """
+    return start_node_agent_ready(env, *args, stderr=stderr)[0]
+
+
+def start_node_agent_ready(
+    env: dict[str, str], *args: str, stderr: _Stderr = subprocess.PIPE
+) -> tuple[subprocess.Popen[str], str]:
+    """:func:`start_node_agent`, with its ready line (``agent ready: ENDPOINT (metrics on port
+    N)``)."""
     argv = [sys.executable, "-m", "zeus_async", "agent", "--backend", "sim", *args]
-    return _started(argv, env, stderr, "agent ready", "the node agent")[0]
+    return _started(argv, env, stderr, "agent ready", "the node agent")
 
 
 def start_restore_job(
