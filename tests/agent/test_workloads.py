@@ -364,3 +364,23 @@ def test_real_processes(children: list[subprocess.Popen[bytes]], clock: FakeCloc
     clock.advance_sync(61)
     r.refresh()
     assert r.workloads() == []
+
+
+def test_a_job_its_epilog_ended_holds_no_gpu_whatever_its_stragglers_say(
+    tmp_path: Path,
+) -> None:
+    """A job's process still alive after the epilog (a straggler) named the job's GPUs in
+    its environment: the GPUs were still the job's, and its energy went on counting."""
+    proc = FakeProc(tmp_path / "proc")
+    proc.add(500, uid=0, comm="python", environ={"SLURM_JOB_ID": "77", "SLURM_JOB_GPUS": "1"})
+    slurm = SlurmSource(proc_root=proc.root)
+    resolver = WorkloadResolver(slurm=slurm, proc_root=proc.root)
+    slurm.register(77, gpus=[1], user="root", uid=0)
+    assert resolver.for_pid(500).key == "slurm:77"
+    assert resolver.for_gpu(1) is not None
+    slurm.unregister(77)
+    assert resolver.for_gpu(1) is None
+    assert resolver.for_pid(500).key == "slurm:77"  # still the job's process
+    slurm.register(77, gpus=[1], user="root", uid=0)  # announced again: its GPU again
+    w = resolver.for_gpu(1)
+    assert w is not None and w.key == "slurm:77"

@@ -83,7 +83,7 @@ class WorkloadLedger:
         self._changes: dict[int, list[tuple[int, str]]] = {}
         #: GPU index -> the holder saved by the previous agent (first sample after a restart).
         self._saved_holder: dict[int, str] = {}
-        #: Workload key -> when it was first known here (wall ns), kept across restarts.
+        #: Workload key -> when it began to hold a GPU here (wall ns), kept across restarts.
         self._started: dict[str, int] = {}
         #: Workloads announced (key -> the last change sent), so starts and ends are sent once.
         self._announced: dict[str, WorkloadChange] = {}
@@ -112,10 +112,14 @@ class WorkloadLedger:
             if last is None:
                 self._last[gpu] = (counter, t, key)
                 self._holder[gpu] = key
+                if key:
+                    self._started.setdefault(key, t)
                 continue
             if key != self._holder.get(gpu):
                 self._changes.setdefault(gpu, []).append((t, key))
                 self._holder[gpu] = key
+                if key:
+                    self._started.setdefault(key, t)
             step = counter - last[0]
             if step == 0:
                 continue
@@ -166,7 +170,6 @@ class WorkloadLedger:
             if holder is not None:
                 gpus_of.setdefault(holder.key, []).append(gpu)
         for key, w in known.items():
-            self.started_ns(w)
             state = "ended" if w.ended_ns is not None else "started"
             change = _change(w, self.host, t_ns, state, gpus_of.get(key, []))
             before = self._announced.get(key)
@@ -199,9 +202,8 @@ class WorkloadLedger:
         return out
 
     def started_ns(self, w: Workload) -> int | None:
-        """When workload ``w`` was first known here (across agent restarts)."""
-        if w.started_ns is not None:
-            self._started.setdefault(w.key, w.started_ns)
+        """When workload ``w`` began to hold a GPU here (the sample from which its energy is
+        counted), else when it was first known; kept across agent restarts."""
         return self._started.get(w.key, w.started_ns)
 
     def settled(self, gpus: Iterable[int], since_ns: int) -> bool:

@@ -870,14 +870,18 @@ def _allocated_by(resolver: WorkloadResolver, rt: Runtime) -> AllocatedGpus:
 async def _serve(agent: Agent, dec: msgspec.msgpack.Decoder[Any]) -> None:
     # Controls run one at a time, in order, beside the edges (a slow NVML call never delays a
     # window edge).
+    # Jobs (a prolog's, an epilog's) have a queue of their own: an epilog waits up to a
+    # counter period for its job's figure, and hardware changes must not wait behind it.
     controls_in, controls_out = anyio.create_memory_object_stream[tuple[bytes, Control]](1000)
+    jobs_in, jobs_out = anyio.create_memory_object_stream[tuple[bytes, Control]](1000)
 
-    async def control_worker() -> None:
-        async for ident, msg in controls_out:
+    async def control_worker(queue: Any) -> None:
+        async for ident, msg in queue:
             await agent.control(ident, msg)
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(control_worker)
+        tg.start_soon(control_worker, controls_out)
+        tg.start_soon(control_worker, jobs_out)
         while True:
             frames = await agent.router.recv_multipart(copy=False)
             if len(frames) != 2:
@@ -893,7 +897,8 @@ async def _serve(agent: Agent, dec: msgspec.msgpack.Decoder[Any]) -> None:
             if isinstance(msg, Edge):
                 agent.edge(ident, msg)
             elif isinstance(msg, Control):
-                await controls_in.send((ident, msg))
+                jobs = msg.op in ("job_start", "job_end", "jobs")
+                await (jobs_in if jobs else controls_in).send((ident, msg))
             elif isinstance(msg, Hello):
                 try:
                     agent.hello(ident, msg, peer_credentials(frames[1]))

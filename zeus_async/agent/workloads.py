@@ -216,6 +216,8 @@ class WorkloadResolver:
         self._ended_at: dict[str, int] = {}  # key -> monotonic ns it ended
         self._pids: OrderedDict[int, _Pid] = OrderedDict()
         self._registered: dict[str, tuple[_GpuKey, ...]] = {}
+        #: Jobs announced once and ended by their epilog since (a bounded memory).
+        self._unregistered: OrderedDict[str, None] = OrderedDict()
         self._registered_version = -1
         self._pods: dict[str, tuple[_GpuKey, ...]] = {}
         self._gpu_map: dict[_GpuKey, str] | None = None
@@ -370,6 +372,7 @@ class WorkloadResolver:
             return
         self._registered_version = slurm.version
         jobs = slurm.registered()
+        before = set(self._registered)
         self._registered = {}
         for job in jobs.values():
             key = f"slurm:{job.job_id}"
@@ -386,6 +389,13 @@ class WorkloadResolver:
             self._registered[key] = tuple(
                 k for k in (self._gpu_key(g) for g in job.gpus) if k is not None
             )
+            self._unregistered.pop(key, None)
+        # A job its epilog ended holds no GPU any more, whatever its straggling processes'
+        # environment says (they are still its, for their own figures).
+        for key in before - set(self._registered):
+            self._unregistered[key] = None
+        while len(self._unregistered) > self.max_pids:
+            self._unregistered.popitem(last=False)
         self._end_and_expire()
         self._gpu_map = None
 
@@ -532,6 +542,8 @@ class WorkloadResolver:
         for key, gpus in self._pods.items():
             claim(gpus, _POD, key)
         for entry in self._pids.values():
+            if entry.key in self._unregistered:
+                continue
             claim(entry.env_gpus, _JOB_ENV, entry.key)
             claim(entry.seen_gpus, _SEEN, entry.key)
         return {g: rank[2] for g, rank in best.items()}
