@@ -1,7 +1,7 @@
 """The Kubernetes workload source against a real gRPC server on a unix socket that serves
-``v1.PodResourcesLister/List`` as the kubelet does.
+``v1.PodResourcesLister/List`` as the kubelet does (``kubelet_stub.py``).
 
-The server's replies are encoded here by hand, field number by field number from the published
+The server's replies are encoded by hand, field number by field number from the published
 ``api.proto`` (with fields the source does not define: memory, dynamic resources, packed CPU
 ids), so the source's message definitions are checked against the wire format and not against
 themselves.
@@ -18,12 +18,10 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
-from typing import Any
 
-import grpc
 import pytest
+from kubelet_stub import Kubelet, container_msg, devices_msg, gpu_pod, pod_msg
 
 from zeus_async.agent.kubernetes import KubernetesSource, PodGpus, gpu_ref
 from zeus_async.agent.workloads import Workload, WorkloadResolver
@@ -38,92 +36,6 @@ UUIDS = [
     "GPU-33333333-1111-2222-3333-444444444444",
 ]
 S = 1_000_000_000
-
-# -- the wire format, by hand -----------------------------------------------------------------
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _len(field: int, payload: bytes) -> bytes:
-    return _varint(field << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _str(field: int, text: str) -> bytes:
-    return _len(field, text.encode())
-
-
-def _devices(resource: str, ids: list[str], numa: int | None = 0) -> bytes:
-    # ContainerDevices{resource_name=1, device_ids=2, topology=3{nodes=1{ID=1}}}
-    out = _str(1, resource) + b"".join(_str(2, i) for i in ids)
-    if numa is not None:
-        out += _len(3, _len(1, _varint(1 << 3 | 0) + _varint(numa)))
-    return out
-
-
-def _container(name: str, devices: list[bytes], cpus: tuple[int, ...] = (2, 3)) -> bytes:
-    # ContainerResources{name=1, devices=2, cpu_ids=3 (packed), memory=4, dynamic_resources=5}
-    out = _str(1, name) + b"".join(_len(2, d) for d in devices)
-    out += _len(3, b"".join(_varint(c) for c in cpus))
-    out += _len(4, _str(1, "memory") + _varint(2 << 3 | 0) + _varint(1 << 30))
-    out += _len(5, _str(1, "gpu.example.com") + _str(2, "claim-1") + _str(3, "default"))
-    return out
-
-
-def _pod(name: str, namespace: str, containers: list[bytes]) -> bytes:
-    # PodResources{name=1, namespace=2, containers=3}
-    return _str(1, name) + _str(2, namespace) + b"".join(_len(3, c) for c in containers)
-
-
-def _response(pods: list[bytes]) -> bytes:
-    # ListPodResourcesResponse{pod_resources=1}
-    return b"".join(_len(1, p) for p in pods)
-
-
-def _gpu_pod(name: str, namespace: str, container: str, ids: list[str]) -> bytes:
-    return _pod(name, namespace, [_container(container, [_devices("nvidia.com/gpu", ids)])])
-
-
-# -- a kubelet ----------------------------------------------------------------------------------
-
-
-class Kubelet:
-    """A gRPC server on a unix socket serving PodResourcesLister.List with ``pods``."""
-
-    def __init__(self, path: Path, *, serve_list: bool = True) -> None:
-        self.path = path
-        self.pods: list[bytes] = []
-        self.calls = 0
-        self.hold: threading.Event | None = None
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        if serve_list:
-            handler = grpc.unary_unary_rpc_method_handler(self._list)  # raw bytes both ways
-            self.server.add_generic_rpc_handlers(
-                (grpc.method_handlers_generic_handler("v1.PodResourcesLister", {"List": handler}),)
-            )
-        self.server.add_insecure_port(f"unix:{path}")
-        self.server.start()
-
-    def _list(self, request: bytes, context: Any) -> bytes:
-        assert request == b""  # ListPodResourcesRequest{}
-        self.calls += 1
-        if self.hold is not None:
-            self.hold.wait(10)
-        return _response(self.pods)
-
-    def stop(self) -> None:
-        if self.hold is not None:
-            self.hold.set()
-        self.server.stop(None).wait()
 
 
 @pytest.fixture
@@ -164,30 +76,34 @@ def test_device_ids() -> None:
 
 def test_list_maps_gpu_devices_to_containers(kubelet: Kubelet, source: KubernetesSource) -> None:
     kubelet.pods = [
-        _pod(
+        pod_msg(
             "trainer-0",
             "ml",
             [
-                _container("main", [_devices("nvidia.com/gpu", [UUIDS[0], UUIDS[1]], numa=1)]),
-                _container("sidecar", []),
+                container_msg(
+                    "main", [devices_msg("nvidia.com/gpu", [UUIDS[0], UUIDS[1]], numa=1)]
+                ),
+                container_msg("sidecar", []),
             ],
         ),
-        _pod("nic-pod", "net", [_container("c", [_devices("example.com/nic", ["eth1"])])]),
-        _pod(
+        pod_msg("nic-pod", "net", [container_msg("c", [devices_msg("example.com/nic", ["eth1"])])]),
+        pod_msg(
             "shared",
             "ml",
             [
-                _container(
+                container_msg(
                     "a",
                     [
-                        _devices("nvidia.com/gpu.shared", [f"{UUIDS[2]}::1", f"{UUIDS[2]}::3"]),
-                        _devices("nvidia.com/mig-1g.10gb", ["MIG-aa"]),
+                        devices_msg("nvidia.com/gpu.shared", [f"{UUIDS[2]}::1", f"{UUIDS[2]}::3"]),
+                        devices_msg("nvidia.com/mig-1g.10gb", ["MIG-aa"]),
                     ],
                 )
             ],
         ),
-        _pod("by-index", "batch", [_container("w", [_devices("nvidia.com/gpu", ["3"], None)])]),
-        _pod("empty", "default", []),
+        pod_msg(
+            "by-index", "batch", [container_msg("w", [devices_msg("nvidia.com/gpu", ["3"], None)])]
+        ),
+        pod_msg("empty", "default", []),
     ]
     assert source.list() == [
         PodGpus(namespace="ml", pod="trainer-0", container="main", gpus=(UUIDS[0], UUIDS[1])),
@@ -202,7 +118,7 @@ def test_pods_come_and_go(kubelet: Kubelet, source: KubernetesSource) -> None:
     resolver = WorkloadResolver(kubernetes=source, gpu_uuids=UUIDS, expire_s=60, clock=clock)
     assert resolver.for_gpu(0) is None  # nothing read yet
 
-    kubelet.pods = [_gpu_pod("a-0", "team", "main", [UUIDS[0], UUIDS[1]])]
+    kubelet.pods = [gpu_pod("a-0", "team", "main", [UUIDS[0], UUIDS[1]])]
     resolver.refresh()
     a = Workload(
         kind="kubernetes",
@@ -221,8 +137,8 @@ def test_pods_come_and_go(kubelet: Kubelet, source: KubernetesSource) -> None:
     # a-0 goes, b-0 takes GPU 0 and c-0 GPU 3 by index
     clock.advance_sync(10)
     kubelet.pods = [
-        _gpu_pod("b-0", "team", "main", [UUIDS[0]]),
-        _gpu_pod("c-0", "other", "w", ["3"]),
+        gpu_pod("b-0", "team", "main", [UUIDS[0]]),
+        gpu_pod("c-0", "other", "w", ["3"]),
     ]
     resolver.refresh()
     b = Workload(
@@ -257,7 +173,7 @@ def test_pods_come_and_go(kubelet: Kubelet, source: KubernetesSource) -> None:
 
     # the ended pod is still known for expire_s, then forgotten
     clock.advance_sync(60)
-    kubelet.pods = [_gpu_pod("b-0", "team", "main", [UUIDS[0]])]
+    kubelet.pods = [gpu_pod("b-0", "team", "main", [UUIDS[0]])]
     resolver.refresh()
     assert [w.key for w in resolver.workloads()] == [a.key, b.key, c.key]
     clock.advance_sync(1)
@@ -295,8 +211,8 @@ def test_process_in_a_pod_follows_its_gpu(
         "torchrun",
     )
     kubelet.pods = [
-        _gpu_pod("train-7", "ml", "worker", [UUIDS[2]]),
-        _gpu_pod("serve-1", "web", "srv", [UUIDS[3]]),
+        gpu_pod("train-7", "ml", "worker", [UUIDS[2]]),
+        gpu_pod("serve-1", "web", "srv", [UUIDS[3]]),
     ]
     resolver.refresh()
     assert resolver.for_pid(500) == Workload(
@@ -422,7 +338,7 @@ def test_resolver_keeps_what_it_knew_while_the_kubelet_is_away(
     clock = FakeClock()
     path = sockdir / "kubelet.sock"
     k = Kubelet(path)
-    k.pods = [_gpu_pod("a-0", "team", "main", [UUIDS[0]])]
+    k.pods = [gpu_pod("a-0", "team", "main", [UUIDS[0]])]
     source = KubernetesSource(path)
     resolver = WorkloadResolver(kubernetes=source, gpu_uuids=UUIDS, expire_s=60, clock=clock)
     try:

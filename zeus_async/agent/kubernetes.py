@@ -180,6 +180,9 @@ class KubernetesSource:
         self.timeout_s = timeout_s
         self._messages = podresources_messages()
         try:
+            # gRPC's C core logs to stderr on its own (a kubelet that goes away: "Got goaway");
+            # the source reports its failures once, through logging.
+            os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
             import grpc
         except ImportError as exc:
             raise ConfigError(
