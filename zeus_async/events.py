@@ -147,6 +147,12 @@ class ProcessSample(msgspec.Struct, tag="proc", **_OPTS):
         attributed_energy_j: Running total, since the pair was first sampled, of
             ``gpu_power_share_frac`` * the GPU energy counter's increase (the pids on a GPU add
             up to its energy).
+
+    Both:
+        workload: The key of the workload the pid works for (``slurm:4711``,
+            ``k8s:<namespace>/<pod>/<container>``, ``uid:1001``: a node agent's resolver,
+            :mod:`zeus_async.agent.workloads`); ``""`` where none was asked (a runtime of
+            its own) or it is unknown.
     """
 
     host: str
@@ -170,6 +176,7 @@ class ProcessSample(msgspec.Struct, tag="proc", **_OPTS):
     gpu_memory_share_frac: float | None = None
     gpu_power_share_frac: float | None = None
     attributed_energy_j: float | None = None
+    workload: str = ""
 
 
 class WindowOpen(msgspec.Struct, tag="win_open", **_OPTS):

@@ -9,14 +9,18 @@ children whose environment carries their job's ``SLURM_JOB_ID``. The simulated d
 the first process of each GPU job on every GPU (the simulator has one process list for all
 GPUs), so there are 8 x 8 per-process GPU series where a real node would show 8: an upper
 bound. Four node agents (``python -c`` running :func:`zeus_async.agent.server.serve`, the
-``zeus-async agent`` entry, with an :class:`AgentConfig` that tracks the 200 pids, which the
-CLI cannot) run at the same time, each in its own directory, so that they see the same
-moment of the same machine:
+``zeus-async agent`` entry, with an :class:`AgentConfig` that tracks the 200 pids) run at
+the same time, each in its own directory, so that they see the same moment of the same
+machine:
 
-* **full**: workloads on (``--workload-expire``), the 200 processes tracked;
+* **full**: workloads on (``--workload-expire``), the 200 processes tracked, each process's
+  samples and series naming its workload (``workload="slurm:5003"``);
 * **no workloads**: ``workloads=False``, the 200 processes tracked (jobs are refused);
 * **no processes**: workloads on, no process tracked;
-* **neither**: workloads off, no process tracked (sampling alone).
+* **neither**: workloads off, no process tracked (sampling alone);
+* with ``--baseline DIR`` (another source tree, e.g. ``git archive HEAD | tar -x -C DIR``),
+  **full @ baseline**: the full agent run from that tree's ``zeus_async``, beside the others,
+  for a before/after of a change in one run.
 
 Measured:
 
@@ -92,6 +96,7 @@ class Agent:
             stderr=self.log,
             text=True,
             env=env,
+            cwd=root,  # not this tree: `-c` puts the working directory first on sys.path
         )
         self.port = 0
 
@@ -270,6 +275,13 @@ def main() -> None:
     parser.add_argument("--churn", type=int, default=1000, help="jobs started and ended")
     parser.add_argument("--expire", type=float, default=10.0, help="--workload-expire (s)")
     parser.add_argument("--period", type=float, default=0.01, help="sampling period (s)")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also run the full agent from the zeus_async of this source tree",
+    )
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="zb-cluster-"))
@@ -298,11 +310,15 @@ def main() -> None:
             "no processes": (True, None),
             "neither": (False, None),
         }
+        if args.baseline is not None:
+            variants["full @ baseline"] = (True, tracking)
         envs = {}
         for i, (name, (workloads, processes)) in enumerate(variants.items()):
             root = tmp / f"agent{i}"
             root.mkdir(mode=0o700)
             envs[name] = sim_env(sim, ZEUS_ASYNC_DIR=str(root))
+            if name == "full @ baseline":
+                envs[name]["PYTHONPATH"] = str(args.baseline.resolve())
             cfg = AgentConfig(
                 endpoint=f"ipc://{root}/agent.sock",
                 backend="sim",
@@ -330,9 +346,10 @@ def main() -> None:
         rows = []
         for a in agents:
             rss, pss, uss = memory_mib(a.proc.pid)
-            wl, total = series(scrape(a.url))
+            body = scrape(a.url)
+            wl, total = series(body)
             cpu = (after[a.name] - before[a.name]) / wall * 100
-            rows.append((a.name, cpu, rss, pss, uss, wl, total))
+            rows.append((a.name, cpu, rss, pss, uss, wl, total, len(body)))
         full = agents[0]
         for a in agents[1:]:
             a.stop()
@@ -364,20 +381,20 @@ def main() -> None:
         f"\n{GPUS} simulated GPUs at {1 / args.period:g} Hz; {JOBS} Slurm jobs announced by "
         f"`zeus-async job start` ({GPU_JOBS} holding one GPU each, {JOBS - GPU_JOBS} none); "
         f"{len(pids)} tracked `sleep` processes ({PER_JOB} a job, `SLURM_JOB_ID` in their "
-        f"environment); the four agents at once, CPU over {wall:.1f} s after a "
+        f"environment); the {len(agents)} agents at once, CPU over {wall:.1f} s after a "
         f"{args.warmup:g} s warm-up; CPU as % of one core (user + system).\n"
     )
     print(
         "| agent | workloads | tracked processes | CPU | RSS MiB | PSS MiB | USS MiB "
-        "| workload series | all series |"
+        "| workload series | all series | /metrics |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name, cpu, rss, pss, uss, wl, total in rows:
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, cpu, rss, pss, uss, wl, total, size_b in rows:
         workloads, processes = variants[name]
         print(
             f"| {name} | {'on' if workloads else 'off'} "
             f"| {len(pids) if processes is not None else 0} | {cpu:.1f} % | {rss:.1f} "
-            f"| {pss:.1f} | {uss:.1f} | {wl} | {total} |"
+            f"| {pss:.1f} | {uss:.1f} | {wl} | {total} | {size_b / 1024:.1f} KiB |"
         )
     ordered = sorted(times)
     print(

@@ -32,7 +32,8 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -61,7 +62,7 @@ from .protocol import (
     Reply,
     error_reply_fields,
 )
-from .workloads import WorkloadResolver
+from .workloads import UNKNOWN, WorkloadResolver
 
 __all__ = ["EXIT_AGENT_RUNNING", "NODE_LOCK", "NODE_SOCKET", "node_agent_running", "run_agent"]
 
@@ -755,31 +756,39 @@ async def _run_runtime(
     # A system agent's board sits beside its socket (its users map it); others' in the
     # private directory.
     board_dir = _socket_path(cfg).parent if system is not None else private_dir()
+    workloads = _AgentWorkloads(cfg) if cfg.workloads else None
+    runtime = Runtime(
+        backend=cfg.backend,
+        gpus=cfg.gpus,
+        cpus=cfg.cpus if cfg.cpus is not None else "auto",
+        period_s=cfg.period_s,
+        fields=cfg.fields,
+        adaptive_reads=cfg.adaptive_reads,
+        publish=cfg.publish,
+        publish_curve=_publish_curve(cfg),
+        sim_config=sim_config,
+        windows=True,
+        finalize_timeout_s=cfg.finalize_timeout_s,
+        window_board=str(board_dir / f"board-{os.getpid()}-{os.urandom(4).hex()}"),
+        record=cfg.record,
+        overwrite=cfg.overwrite,
+        processes=processes,
+        # Each tracked process's samples name its job, pod container or user.
+        process_workload=(
+            workloads.process_key if workloads is not None and processes is not None else None
+        ),
+        meta=cfg.meta,
+        prometheus_port=cfg.prometheus_port,
+        prometheus_addr=cfg.prometheus_addr,
+        prometheus_names=cfg.prometheus_names,
+        otlp=cfg.otlp,
+        otlp_interval_s=cfg.otlp_interval_s,
+        host=cfg.host,
+    )
+    if workloads is not None:
+        workloads.runtime = runtime
     if True:
-        async with Runtime(
-            backend=cfg.backend,
-            gpus=cfg.gpus,
-            cpus=cfg.cpus if cfg.cpus is not None else "auto",
-            period_s=cfg.period_s,
-            fields=cfg.fields,
-            adaptive_reads=cfg.adaptive_reads,
-            publish=cfg.publish,
-            publish_curve=_publish_curve(cfg),
-            sim_config=sim_config,
-            windows=True,
-            finalize_timeout_s=cfg.finalize_timeout_s,
-            window_board=str(board_dir / f"board-{os.getpid()}-{os.urandom(4).hex()}"),
-            record=cfg.record,
-            overwrite=cfg.overwrite,
-            processes=processes,
-            meta=cfg.meta,
-            prometheus_port=cfg.prometheus_port,
-            prometheus_addr=cfg.prometheus_addr,
-            prometheus_names=cfg.prometheus_names,
-            otlp=cfg.otlp,
-            otlp_interval_s=cfg.otlp_interval_s,
-            host=cfg.host,
-        ) as rt:
+        async with runtime as rt:
             if cfg.log_file:
                 rank = cfg.meta.get("rank")
                 rt.start_consumer(
@@ -790,7 +799,13 @@ async def _run_runtime(
                     ),
                     isolate="window log",
                 )
-            ledger = _workload_ledger(cfg, rt) if cfg.workloads else None
+            ledger = (
+                WorkloadLedger(
+                    workloads.resolver, host=rt.host, state_path=private_dir() / LEDGER_FILE
+                )
+                if workloads is not None
+                else None
+            )
             if ledger is not None:
                 rt.start_consumer(ledger.consume, isolate="workload ledger")
                 if allocated_gpus is None and system is not None:
@@ -827,24 +842,56 @@ async def _run_runtime(
             return agent.signum
 
 
-def _workload_ledger(cfg: AgentConfig, rt: Runtime) -> WorkloadLedger:
-    """Who holds each GPU (Slurm always; the kubelet when ``k8s_socket`` is set) and the
-    energy per workload, kept in this agent's directory across restarts."""
-    from .kubernetes import KubernetesSource
-    from .slurm import SlurmSource
-    from .workloads import WorkloadResolver
+class _AgentWorkloads:
+    """The agent's workload resolver: who holds each GPU (Slurm always; the kubelet when
+    ``k8s_socket`` is set) and which workload each tracked process works for. The ledger
+    (energy per workload, kept in the agent's directory across restarts) is made on it.
 
-    gpus = sorted(
-        (d.describe() for d in rt.devices if d.key.startswith("gpu:")),
-        key=lambda d: int(d.key.split(":")[1]),
-    )
-    resolver = WorkloadResolver(
-        slurm=SlurmSource(),
-        kubernetes=KubernetesSource(cfg.k8s_socket) if cfg.k8s_socket else None,
-        gpu_uuids=[d.uuid for d in gpus],
-        expire_s=cfg.workload_expire_s,
-    )
-    return WorkloadLedger(resolver, host=rt.host, state_path=private_dir() / LEDGER_FILE)
+    Made at its first use, from the GPUs of :attr:`runtime` (set before it is entered): the
+    resolver needs their UUIDs, known once the runtime has opened its devices, and the
+    runtime's process sampler asks :meth:`process_key` from its first period on, in its own
+    thread, before ``async with`` hands the runtime to the agent (entering waits for the
+    energy counters to move). The ledger, made in the ``async with`` body, takes the same
+    resolver; whichever comes first makes it, under a lock.
+    """
+
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.runtime: Runtime | None = None
+        self._resolver: WorkloadResolver | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def resolver(self) -> WorkloadResolver:
+        resolver = self._resolver
+        if resolver is None:
+            with self._lock:
+                if self._resolver is None:
+                    self._resolver = self._make()
+                resolver = self._resolver
+        return resolver
+
+    def _make(self) -> WorkloadResolver:
+        from .kubernetes import KubernetesSource
+        from .slurm import SlurmSource
+
+        assert self.runtime is not None, "the runtime is set before it is entered"
+        gpus = sorted(
+            (d.describe() for d in self.runtime.devices if d.key.startswith("gpu:")),
+            key=lambda d: int(d.key.split(":")[1]),
+        )
+        return WorkloadResolver(
+            slurm=SlurmSource(),
+            kubernetes=KubernetesSource(self.cfg.k8s_socket) if self.cfg.k8s_socket else None,
+            gpu_uuids=[d.uuid for d in gpus],
+            expire_s=self.cfg.workload_expire_s,
+        )
+
+    def process_key(self, pid: int, gpus: Sequence[int]) -> str:
+        """The key of the workload ``pid`` works for (``""`` when it is gone unread); the
+        GPUs NVML listed it on make a process of no job hold them for its user."""
+        workload = self.resolver.for_pid(pid, gpus)
+        return "" if workload is UNKNOWN else workload.key
 
 
 def _allocated_by(resolver: WorkloadResolver, rt: Runtime) -> AllocatedGpus:

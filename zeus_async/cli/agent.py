@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import msgspec
 
 from ..errors import ZeusAsyncError
+from . import processes as _processes
 from .common import (
     EXIT_ERROR,
     EXIT_OK,
@@ -103,6 +104,32 @@ def add_parsers(sub: Any) -> None:
         metavar="S",
         help="how long an ended workload's figures stay exported (default 300 s)",
     )
+    procs = agt.add_argument_group(
+        "processes (docs/workloads.md)",
+        "Per-process CPU, memory and attributed CPU/DRAM/GPU power, each process's figures "
+        "labelled with the workload it works for (workload=slurm:4711, uid:1001...).",
+    )
+    procs.add_argument(
+        "--gpu-processes",
+        action="store_true",
+        help="track every process found on the GPUs",
+    )
+    procs.add_argument(
+        "--pid",
+        dest="pids",
+        type=_processes._pid,
+        action="append",
+        default=None,
+        metavar="PID",
+        help="track this process and its descendants (repeatable)",
+    )
+    procs.add_argument(
+        "--process-period",
+        type=positive_float,
+        default=1.0,
+        metavar="S",
+        help="how often processes are sampled (default 1 s)",
+    )
     sysg = agt.add_argument_group(
         "system agent (one per node, many users; docs/agent.md)",
         "Run as root: serve every user the policy lets in on a group-owned socket, check each "
@@ -172,6 +199,7 @@ def _agent(args: argparse.Namespace, out: TextIO) -> int:
             workloads=not args.no_workloads,
             k8s_socket=args.k8s_socket,
             workload_expire_s=args.workload_expire,
+            processes=_processes.tracking_from_args(args, None),
             **system,
         )
         server_curve_from_args(args, "--publish", args.publish)  # checked before serving

@@ -15,15 +15,23 @@ Metrics (prefix ``zeus_``, Prometheus base units, ``_total`` on counters; every 
   ``zeus_gpu_power_limit_watts``.
 * RAPL (labels ``host``, ``package``, ``domain``): ``zeus_rapl_power_watts``,
   ``zeus_rapl_energy_joules_total``.
-* Tracked processes on the host (labels ``host``, ``pid``): ``zeus_process_cpu_ratio``,
+* Tracked processes on the host (labels ``host``, ``pid``, and ``workload`` where the sample
+  names one, below): ``zeus_process_cpu_ratio``,
   ``zeus_process_cpu_share_ratio``, ``zeus_process_memory_bytes`` (plus ``kind`` = ``rss``,
   ``pss`` or ``uss``), ``zeus_process_memory_ratio``, ``zeus_process_cpu_power_watts``,
   ``zeus_process_cpu_energy_joules_total``, ``zeus_process_dram_power_watts``,
   ``zeus_process_dram_energy_joules_total``.
-* Tracked processes on a GPU (labels ``host``, ``pid``, ``gpu``): ``zeus_process_gpu_sm_ratio``,
+* Tracked processes on a GPU (labels ``host``, ``pid``, ``gpu``, and ``workload`` where the
+  sample names one): ``zeus_process_gpu_sm_ratio``,
   ``zeus_process_gpu_memory_bytes``, ``zeus_process_gpu_sm_share_ratio``,
   ``zeus_process_gpu_memory_share_ratio``, ``zeus_process_gpu_power_share_ratio``,
   ``zeus_process_gpu_power_watts``, ``zeus_process_gpu_energy_joules_total``.
+  A node agent's process samples name the workload each pid works for
+  (``ProcessSample.workload``: ``slurm:4711``, ``k8s:<namespace>/<pod>/<container>``,
+  ``uid:1001``), so ``sum by (workload) (zeus_process_cpu_power_watts)`` adds up per job; a
+  sample without one (a runtime of its own) leaves the label out. A pid's series carry its
+  latest workload: one whose workload changes (read mid-``exec`` as its user's, then its
+  job's) is relabelled, a new series from then on.
 * Workloads, from the node agent's ledger (labels ``host``, ``gpu``, ``UUID``, ``workload``
   (the key: ``slurm:4711``, ``k8s:<namespace>/<pod>/<container>``, ``uid:1001``), ``kind``,
   ``job_id``, ``user``, ``partition``, ``namespace``, ``pod``, ``container``):
@@ -130,6 +138,18 @@ __all__ = ["DEFAULT_PORT", "NAME_SETS", "PrometheusExporter"]
 
 
 logger = logging.getLogger(__name__)
+
+
+def _process_labels(e: ProcessSample) -> tuple[tuple[dict[str, str], ...], tuple[str, ...]]:
+    """A process row's labels: ``host``, ``pid``, ``workload`` when the sample names one
+    (without it, the label set of samples that never do stays as it was), then ``kind`` per
+    memory part on the host or ``gpu`` on a GPU."""
+    base = {"host": e.host, "pid": str(e.pid)}
+    if e.workload:
+        base["workload"] = e.workload
+    if e.gpu is None:
+        return _labels(base, *({**base, "kind": k} for k in _MEMORY_KINDS))
+    return _labels({**base, "gpu": str(e.gpu)})
 
 
 class PrometheusExporter(ClosedOnExit):
@@ -317,13 +337,10 @@ class PrometheusExporter(ClosedOnExit):
             getter = _proc_gpu_values
         row = table.get(key)
         if row is None:
-            base = {"host": e.host, "pid": str(e.pid)}
-            if e.gpu is None:
-                labels = _labels(base, *({**base, "kind": k} for k in _MEMORY_KINDS))
-                row = _Row(labels, len(_PROC_FIELDS), e.t_ns)
-            else:
-                row = _Row(_labels({**base, "gpu": str(e.gpu)}), len(_PROC_GPU_FIELDS), e.t_ns)
-            table[key] = row
+            size = len(_PROC_FIELDS) if e.gpu is None else len(_PROC_GPU_FIELDS)
+            row = table[key] = _Row(_process_labels(e), size, e.t_ns)
+        elif e.workload and row.labels[0].get("workload") != e.workload:
+            row.labels, row.texts = _process_labels(e)  # its workload is known now, or moved
         row.t_ns = e.t_ns
         vals = row.values
         for i, v in enumerate(getter(e)):

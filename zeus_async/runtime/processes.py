@@ -43,6 +43,11 @@ The tracked set is, by default, the runtime's process and its descendants (refre
 list; ``gpu_all=True`` adds every process found on the sampled GPUs (the machine-wide view).
 Pids that exit are dropped (their last cumulative energies stay in the recording).
 
+Given a ``workload_of`` callable (a node agent passes its workload resolver's, see
+:mod:`zeus_async.agent.workloads`), every sample names the workload its pid works for
+(``ProcessSample.workload``: ``slurm:4711``, ``k8s:<ns>/<pod>/<container>``, ``uid:1001``):
+asked once per pid per period, off the event loop, with the GPUs the pid was seen on.
+
 NVML reports host pids: inside a container with its own pid namespace the pids it lists do not
 match the container's, so GPU attribution finds no tracked pid there unless the container
 shares the host pid namespace (``--pid=host``).
@@ -53,7 +58,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import anyio
 import msgspec
@@ -72,9 +77,16 @@ __all__ = [
     "ProcessAttributor",
     "ProcessSampler",
     "ProcessTracking",
+    "WorkloadOf",
 ]
 
 logger = logging.getLogger(__name__)
+
+#: Which workload a process works for: ``workload_of(pid, gpus)`` with the GPUs (indices) the
+#: process was seen on in this period, answering the workload's key (``slurm:4711``,
+#: ``uid:1001``...; ``""`` when unknown). A node agent passes its resolver's
+#: (:meth:`zeus_async.agent.workloads.WorkloadResolver.for_pid`).
+WorkloadOf = Callable[[int, Sequence[int]], str]
 
 
 class ProcessTracking(msgspec.Struct, frozen=True, kw_only=True):
@@ -463,6 +475,9 @@ class ProcessSampler:
         clock: Time source (a fake clock drives it in tests).
         host: Host id stamped on the samples.
         meter: The runtime's :class:`EnergyMeter` (registered as a hub sink by the runtime).
+        workload_of: Fills each sample's ``workload`` (:data:`WorkloadOf`): asked once per
+            pid per period, in the sampling thread, with the GPUs the pid has samples on, so
+            a process of no job holding GPUs counts as its user's. ``None``: left ``""``.
     """
 
     def __init__(
@@ -474,8 +489,10 @@ class ProcessSampler:
         clock: Clock,
         host: str,
         meter: EnergyMeter,
+        workload_of: WorkloadOf | None = None,
     ) -> None:
         self.tracking = tracking
+        self.workload_of = workload_of
         self._source = source
         self._gpus = list(gpus)
         self._hub = hub
@@ -491,6 +508,7 @@ class ProcessSampler:
         self._gpu_failed: set[int] = set()
         self._gpu_pids: set[int] = set()
         self._known: set[int] = set()
+        self._workload_failed = False  # logged once
         self.stats = ProcessSamplerStats()
 
     def _tracked(self, now_ns: int) -> set[int]:
@@ -550,10 +568,34 @@ class ProcessSampler:
             self._source.forget(gone)
         self._known = set(procs)
         samples = self._attributor.tick(t_ns, host, procs, gpus, tracked, meter)
+        if self.workload_of is not None and samples:
+            self._label(samples, self.workload_of)
         self.stats.ticks += 1
         self.stats.events += len(samples)
         self.stats.cpu_ns += time.thread_time_ns() - start
         return samples
+
+    def _label(self, samples: list[ProcessSample], workload_of: WorkloadOf) -> None:
+        """Set each sample's ``workload``: one question per pid (the resolver caches per pid:
+        about a microsecond each once a pid is known), with the GPUs it has samples on."""
+        on: dict[int, list[int]] = {}
+        for s in samples:
+            if s.gpu is None:
+                on.setdefault(s.pid, [])
+            else:
+                on.setdefault(s.pid, []).append(s.gpu)
+        keys: dict[int, str] = {}
+        for pid, gpus in on.items():
+            try:
+                keys[pid] = workload_of(pid, gpus)
+            except Exception:  # a resolver's defect must not stop the sampling
+                self.stats.errors += 1
+                if not self._workload_failed:
+                    logger.exception("finding the workload of process %d failed", pid)
+                self._workload_failed = True
+                keys[pid] = ""
+        for s in samples:
+            s.workload = keys[s.pid]
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Sample until cancelled, on a grid of ``period_s`` from the start."""

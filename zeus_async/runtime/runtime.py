@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from ..agent.leases import Leases
     from ..bus.curve import CurveServerKeys
 from .hub import EventBatches, Hub
-from .processes import EnergyMeter, ProcessSampler, ProcessTracking
+from .processes import EnergyMeter, ProcessSampler, ProcessTracking, WorkloadOf
 from .sampler import Sampler
 
 __all__ = ["DEFAULT_GPU_FIELDS", "Runtime", "WindowHandle"]
@@ -141,6 +141,10 @@ class Runtime:
             :class:`~zeus_async.events.ProcessSample` events with CPU, memory and attributed
             CPU/DRAM/GPU power (see :mod:`zeus_async.runtime.processes`).
         process_source: Host-side process readings (default: psutil; tests pass a fake).
+        process_workload: With ``processes``: ``workload_of(pid, gpus) -> key`` fills each
+            process sample's ``workload`` (:data:`~.processes.WorkloadOf`; a node agent passes
+            its workload resolver's). Asked from the process sampler's first period on, in its
+            thread, so it must be ready when the runtime is entered.
         prometheus_port: Serve a Prometheus endpoint (:mod:`zeus_async.exporters.prometheus`)
             at this port while the runtime runs (``0``: any free port; the bound one is
             :attr:`prometheus_port`).
@@ -180,6 +184,7 @@ class Runtime:
         overwrite: bool = False,
         processes: ProcessTracking | bool | None = None,
         process_source: ProcessSource | None = None,
+        process_workload: WorkloadOf | None = None,
         meta: Mapping[str, str] | None = None,
         prometheus_port: int | None = None,
         prometheus_addr: str = "127.0.0.1",
@@ -238,6 +243,7 @@ class Runtime:
             processes = ProcessTracking()
         self._processes: ProcessTracking | None = processes or None
         self._process_source = process_source
+        self._process_workload = process_workload
         self.process_sampler: ProcessSampler | None = None
         self._meter: EnergyMeter | None = None
         self._prometheus = (prometheus_port, prometheus_addr)
@@ -484,7 +490,14 @@ class Runtime:
             source = default_source()
         gpus = [d for d in self.devices if isinstance(d, GpuProcessReader)]
         self.process_sampler = ProcessSampler(
-            self._processes, source, gpus, self.hub, self.clock, self.host, self._meter
+            self._processes,
+            source,
+            gpus,
+            self.hub,
+            self.clock,
+            self.host,
+            self._meter,
+            workload_of=self._process_workload,
         )
         return self.process_sampler
 
