@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -516,3 +519,27 @@ def test_window_logs_name_each_gpu_by_uuid_and_driver_index(
 def test_device_indices_that_are_not_indices_are_one_clear_error(bad: object) -> None:
     with pytest.raises(ConfigError, match="gpus must be a list of device indices such as"):
         Monitor(gpus=bad, backend="sim")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_window_logs_name_the_job_they_belong_to(tmp_path: Path, suffix: str) -> None:
+    """Issue 36: a window log lines up with the cluster's per-job figures (workload key)."""
+    log = tmp_path / f"w{suffix}"
+    script = (
+        "import time\n"
+        "from zeus_async import Monitor\n"
+        f"with Monitor(backend='sim', cpu_indices=[], log_file={str(log)!r}) as mon:\n"
+        "    with mon.window('step'):\n"
+        "        time.sleep(0.02)\n"
+    )
+    env = dict(os.environ, SLURM_JOB_ID="4242", SLURM_JOB_USER="root")
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    if suffix == ".csv":
+        (row,) = csv.DictReader(log.read_text().splitlines())
+        assert row["workload"] == "slurm:4242"
+    else:
+        (line,) = log.read_text().splitlines()
+        assert json.loads(line)["workload"] == "slurm:4242"

@@ -796,6 +796,7 @@ async def _run_runtime(
                         cfg.log_file,
                         rank=None if rank is None else int(rank),
                         devices=[d.describe() for d in rt.devices],
+                        workload=_own_workload(cfg.owner_pid or os.getpid()),
                     ),
                     isolate="window log",
                 )
@@ -912,6 +913,15 @@ def _allocated_by(resolver: WorkloadResolver, rt: Runtime) -> AllocatedGpus:
         return held or fallback(uid, pid)
 
     return allocated
+
+
+def _own_workload(pid: int) -> str:
+    """The workload a private agent's owner works for (its Slurm job from its cgroup or
+    environment, else its user: ``uid:<uid>``), for its window log; ``""`` if unreadable."""
+    from .slurm import SlurmSource
+
+    key = WorkloadResolver(slurm=SlurmSource()).for_pid(pid).key
+    return "" if key == UNKNOWN.key else key
 
 
 async def _serve(agent: Agent, dec: msgspec.msgpack.Decoder[Any]) -> None:

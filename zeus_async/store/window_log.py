@@ -46,7 +46,12 @@ def _gpu_identities(m: Measurement, devices: Mapping[str, DeviceInfo]) -> dict[s
 
 
 def _csv_line(
-    m: Measurement, *, header: bool, rank: str = "", devices: Mapping[str, DeviceInfo] = {}
+    m: Measurement,
+    *,
+    header: bool,
+    rank: str = "",
+    devices: Mapping[str, DeviceInfo] = {},
+    workload: str = "",
 ) -> str:
     row = {
         "name": m.name,
@@ -60,6 +65,7 @@ def _csv_line(
         **{f"dram{i}_energy_j": e for i, e in sorted((m.dram_energy_j or {}).items())},
         "methods": ";".join(f"{k}={v}" for k, v in sorted(m.methods.items())),
         "gpus": ";".join(f"{k}={v}" for k, v in _gpu_identities(m, devices).items()),
+        "workload": workload,
     }
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=list(row))
@@ -70,7 +76,11 @@ def _csv_line(
 
 
 def window_log_consumer(
-    path: str | Path, *, rank: int | None = None, devices: Sequence[DeviceInfo] = ()
+    path: str | Path,
+    *,
+    rank: int | None = None,
+    devices: Sequence[DeviceInfo] = (),
+    workload: str = "",
 ) -> Callable[[ObjectReceiveStream[Event]], Awaitable[None]]:
     """A runtime consumer appending every finished window to ``path`` (CSV or JSON lines).
 
@@ -80,7 +90,9 @@ def window_log_consumer(
     ``gpu:0=GPU-… (index 3);…``; a ``gpus`` object in JSON lines), so that a line matches
     ``nvidia-smi`` and dcgm-exporter whatever ``CUDA_VISIBLE_DEVICES`` renumbered. A
     simulated GPU says so there (``(index 0, simulated)``), and a JSON line measured on one
-    has ``"simulated": true``. The
+    has ``"simulated": true``. ``workload`` names the job, pod container or user whose
+    windows these are (``slurm:4711``; CSV column ``workload``, a ``workload`` key in JSON
+    lines), so a log lines up with the cluster's per-job figures. The
     devices come from ``devices`` and from the stream's :class:`StreamInfo`.
     """
     path = Path(path)
@@ -103,12 +115,20 @@ def window_log_consumer(
                     continue
                 try:
                     if path.suffix == ".csv":
-                        text = _csv_line(event, header=header_needed, rank=rank_text, devices=known)
+                        text = _csv_line(
+                            event,
+                            header=header_needed,
+                            rank=rank_text,
+                            devices=known,
+                            workload=workload,
+                        )
                         header_needed = False
                     else:
                         data = event_to_dict(event)
                         if rank is not None:
                             data["rank"] = rank
+                        if workload:
+                            data["workload"] = workload
                         data["gpus"] = _gpu_identities(event, known)
                         if any(
                             (d := known.get(f"gpu:{g}")) is not None and _simulated(d)
