@@ -12,7 +12,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
@@ -23,7 +22,7 @@ import pytest
 
 from zeus_async.devices.sim import SimConfig, SimNode
 from zeus_async.devices.sim_workload import RandomWorkload
-from zeus_async.testing.procs import sim_env, start_node_agent_ready
+from zeus_async.testing.procs import run_cli, sim_env, start_node_agent_ready
 
 CONFIG = SimConfig(num_gpus=2, seed=9, workload=RandomWorkload(seg_min_s=0.2, seg_max_s=1.5))
 GAP_S = 30.0
@@ -45,14 +44,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "zeus_async", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+_cli = run_cli
 
 
 class Node:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -17,19 +16,12 @@ import pytest
 
 from zeus_async.devices.sim import SimConfig, SimNode
 from zeus_async.devices.sim_workload import RandomWorkload
-from zeus_async.testing.procs import sim_env, start_node_agent, start_node_agent_ready
+from zeus_async.testing.procs import run_cli, sim_env, start_node_agent, start_node_agent_ready
 
 CONFIG = SimConfig(num_gpus=4, seed=5, workload=RandomWorkload(seg_min_s=0.2, seg_max_s=1.5))
 
 
-def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "zeus_async", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+_cli = run_cli
 
 
 def _truth(job: dict[str, object], gpus: list[int]) -> float:

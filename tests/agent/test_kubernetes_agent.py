@@ -10,8 +10,6 @@ import json
 import logging
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -26,7 +24,7 @@ from zeus_async.devices.sim import SimConfig, SimNode
 from zeus_async.devices.sim_workload import RandomWorkload
 from zeus_async.events import WorkloadChange, WorkloadEnergy
 from zeus_async.store.reader import RecordingReader
-from zeus_async.testing.procs import sim_env, start_node_agent_ready
+from zeus_async.testing.procs import run_cli, sim_env, start_node_agent_ready
 
 pytest.importorskip("grpc", reason="the kubelet stub needs grpcio: pip install 'zeus_async[k8s]'")
 from kubelet_stub import Kubelet, container_msg, devices_msg, gpu_pod, pod_msg
@@ -48,14 +46,7 @@ S = 1_000_000_000
 A, B, IDX, D = "k8s:ml/a/main", "k8s:ml/b/main", "k8s:batch/idx/w", "k8s:ml/d/main"
 
 
-def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "zeus_async", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+_cli = run_cli
 
 
 def _jobs(env: dict[str, str], *args: str) -> dict[str, dict[str, Any]]:

@@ -15,14 +15,11 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
-import sysconfig
 import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -31,6 +28,7 @@ from zeus_async.devices.sim_workload import RandomWorkload
 from zeus_async.store.analysis import Recording
 from zeus_async.testing import read_sim_node_state
 from zeus_async.testing.procs import sim_env, start_node_agent
+from zeus_async.testing.users import as_user, python_for
 
 # Levels held 0.2-1.5 s: a job's start and end fall inside counter periods whose energy the
 # ledger shares by time (docs/workloads.md), as on a real GPU between kernels.
@@ -60,39 +58,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _as_user(user: str) -> Any:
-    pw = pwd.getpwnam(user)
-    groups = os.getgrouplist(user, pw.pw_gid)
-
-    def demote() -> None:
-        os.setgroups(groups)
-        os.setgid(pw.pw_gid)
-        os.setuid(pw.pw_uid)
-
-    return demote
+_as_user = as_user
 
 
 def _python_for(user: str) -> tuple[str, str]:
-    """An interpreter ``user`` can run with this checkout importable, and its PYTHONPATH."""
-    packages = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    path = os.pathsep.join([str(ROOT), *sorted(packages)])
-    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    for python in dict.fromkeys(
-        c for c in (sys.executable, shutil.which(version), f"/usr/bin/{version}") if c
-    ):
-        try:
-            probe = subprocess.run(
-                [python, "-c", "import zeus_async, zmq"],
-                env={"PYTHONPATH": path, "PATH": "/usr/bin:/bin"},
-                preexec_fn=_as_user(user),
-                capture_output=True,
-                cwd="/",
-            )
-        except OSError:
-            continue
-        if probe.returncode == 0:
-            return python, path
-    pytest.skip(f"no Python with this checkout's packages that user {user} can run")
+    found = python_for(user)
+    if found is None:
+        pytest.skip(f"no Python with this checkout's packages that user {user} can run")
+    return found
 
 
 class Cluster:

@@ -13,13 +13,11 @@ import contextlib
 import grp
 import json
 import os
-import pwd
 import shutil
 import signal
 import stat
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 import uuid
@@ -32,6 +30,7 @@ import pytest
 from zeus_async.devices.sim_config import SimConfig
 from zeus_async.testing import read_sim_node_state
 from zeus_async.testing.procs import sim_env, start_node_agent
+from zeus_async.testing.users import as_user, identity, python_for
 
 pytestmark = [
     pytest.mark.slow,
@@ -78,43 +77,15 @@ class Accounts:
         subprocess.run(["groupdel", self.group], capture_output=True)
 
 
-def _identity(user: str) -> tuple[int, int, list[int]]:
-    pw = pwd.getpwnam(user)
-    return pw.pw_uid, pw.pw_gid, os.getgrouplist(user, pw.pw_gid)
-
-
-def _as_user(user: str) -> Any:
-    uid, gid, groups = _identity(user)
-
-    def demote() -> None:
-        os.setgroups(groups)
-        os.setgid(gid)
-        os.setuid(uid)
-
-    return demote
+_identity = identity
+_as_user = as_user
 
 
 def _python_for(user: str) -> tuple[str, str]:
-    """An interpreter ``user`` can run with this checkout and its packages importable, and the
-    ``PYTHONPATH`` it needs (this one may live under root's home)."""
-    packages = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    path = os.pathsep.join([str(SOURCE_ROOT), *sorted(packages)])
-    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    candidates = [sys.executable, shutil.which(version), f"/usr/bin/{version}"]
-    for python in dict.fromkeys(c for c in candidates if c):
-        try:
-            probe = subprocess.run(
-                [python, "-c", "import zeus_async, zmq, msgspec, anyio"],
-                env={"PYTHONPATH": path, "PATH": "/usr/bin:/bin"},
-                preexec_fn=_as_user(user),
-                capture_output=True,
-                cwd="/",
-            )
-        except OSError:  # not executable by this user (under root's home)
-            continue
-        if probe.returncode == 0:
-            return python, path
-    pytest.skip(f"no Python {version} with this checkout's packages that user {user} can run")
+    found = python_for(user)
+    if found is None:
+        pytest.skip(f"no Python with this checkout's packages that user {user} can run")
+    return found
 
 
 class Client:

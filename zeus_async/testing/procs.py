@@ -19,6 +19,7 @@ from typing import IO, Any
 from ..devices.sim_config import SimConfig
 
 __all__ = [
+    "run_cli",
     "run_ranks",
     "sim_env",
     "start_node_agent",
@@ -63,6 +64,19 @@ def _started(
         _, err = proc.communicate()
         raise RuntimeError(f"{what} did not start: {line!r} {err or ''}")
     return proc, line
+
+
+def run_cli(
+    env: dict[str, str], *args: str, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """``zeus-async ARGS`` to its end in ``env``; its status and output (text)."""
+    return subprocess.run(
+        [sys.executable, "-m", "zeus_async", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def start_node_agent(
