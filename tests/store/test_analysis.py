@@ -433,7 +433,11 @@ def _event_from_row(row: dict[str, str]) -> Event:
     for name in cls.__struct_fields__:
         column = {"kind": f"{row['kind']}_kind"}.get(name, name)
         cell = row[column]
-        value: Any = cell if name in ("host", "message", "name", "stream_id") else _parse_cell(cell)
+        value: Any = (
+            cell
+            if name in ("host", "message", "name", "stream_id", "workload")
+            else _parse_cell(cell)
+        )
         if name == "devices":  # DeviceInfo is positional on the wire
             value = [list(d.values()) for d in value]
         values.append(value)
