@@ -163,3 +163,35 @@ def test_allocated_gpus_come_from_the_clients_environment() -> None:
         finally:
             proc.communicate(timeout=10)
     assert hook(os.getuid(), proc.pid) is None  # gone
+
+
+def test_a_system_agents_allocated_gpus_come_from_the_job_its_prolog_announced(
+    tmp_path: Path,
+) -> None:
+    """A job's process whose environment names no GPU (SLURM_JOB_ID only): its job's GPUs are
+    those the prolog announced, not none."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from zeus_async.agent.server import _allocated_by
+    from zeus_async.agent.slurm import SlurmSource
+    from zeus_async.agent.workloads import WorkloadResolver
+    from zeus_async.testing.fake_proc import FakeProc
+
+    proc = FakeProc(tmp_path / "proc")
+    proc.add(700, uid=1000, environ={"SLURM_JOB_ID": "5"})
+    proc.add(701, uid=1000, environ={"CUDA_VISIBLE_DEVICES": "3"})  # in no job
+    slurm = SlurmSource(proc_root=proc.root)
+    resolver = WorkloadResolver(slurm=slurm, proc_root=proc.root)
+    slurm.register(5, gpus=[2], user="root", uid=0)
+    gpus = [
+        SimpleNamespace(key=f"gpu:{i}", describe=lambda i=i: SimpleNamespace(uuid=f"GPU-{i}"))
+        for i in range(4)
+    ]
+    rt: Any = SimpleNamespace(devices=gpus)
+    allocated = _allocated_by(resolver, rt)
+    assert allocated(1000, 700) == {2}
+    # A process in no job: what its own environment says (read from the real /proc).
+    assert allocated(os.getuid(), os.getpid()) == allocated_from_environ(
+        [f"GPU-{i}" for i in range(4)]
+    )(os.getuid(), os.getpid())
