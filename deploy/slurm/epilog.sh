@@ -61,6 +61,19 @@ write_as() {
     fi
 }
 
+# AdminComment on the job's record in the accounting database (slurmdbd): 0 once written.
+db_out=""
+admin_comment_in_database() {
+    local job="$1" comment="$2" try
+    command -v sacctmgr >/dev/null 2>&1 || return 1
+    for try in 1 2 3 4 5 6 7 8 9 10; do
+        db_out=$(timeout "$wait_s" sacctmgr -i modify job where "jobid=$job" set "AdminComment=$comment" 2>&1)
+        case "$db_out" in *"Modified jobs"*) return 0 ;; esac
+        [ "$try" = 10 ] || sleep 0.5
+    done
+    return 1
+}
+
 main() {
     local job="${SLURM_JOB_ID:-}"
     if [ -z "$job" ]; then
@@ -105,9 +118,15 @@ main() {
     [ "$comment" = "(null)" ] && comment=""
     kept=$(printf '%s\n' "$comment" | tr ' ' '\n' | grep -v -F -x -e "" | grep -v "^${key//./\\.}=" | tr '\n' ' ')
     kept="${kept% }"
-    local out
-    if ! out=$(timeout "$wait_s" scontrol update "JobId=$job" "AdminComment=${kept:+$kept }$key=$total" 2>&1); then
-        log "epilog: job $job: scontrol update AdminComment failed: $out"
+    local out comment_new="${kept:+$kept }$key=$total"
+    if ! out=$(timeout "$wait_s" scontrol update "JobId=$job" "AdminComment=$comment_new" 2>&1); then
+        # The epilog runs once the job has finished, and slurmctld refuses to update a finished
+        # job (Slurm 22.05: "Job has already finished"). With accounting (slurmdbd) the job's
+        # record in the database can still be: sacctmgr, retried while slurmctld has not sent
+        # the job's end to the database yet.
+        if ! admin_comment_in_database "$job" "$comment_new"; then
+            log "epilog: job $job: AdminComment not written: scontrol: $out; sacctmgr: ${db_out:-not available}"
+        fi
     fi
 
     # The report beside the job's output, as the job's user.

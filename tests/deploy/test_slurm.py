@@ -46,6 +46,11 @@ if [ "$1" = show ]; then cat "$STUB_SHOW"; exit 0; fi
 if [ -n "$STUB_SCONTROL_FAIL" ]; then echo "$STUB_SCONTROL_FAIL" >&2; exit 1; fi
 exit 0
 """
+SACCTMGR_STUB = r"""#!/bin/bash
+{ echo sacctmgr; printf '%s\n' "$@"; echo; } >> "$STUB_LOG"
+if [ -n "$STUB_SACCTMGR_OUT" ]; then echo "$STUB_SACCTMGR_OUT"; exit 0; fi
+echo "sacctmgr: fatal: Could not establish a configuration source" >&2; exit 1
+"""
 LOGGER_STUB = r"""#!/bin/bash
 { echo logger; printf '%s\n' "$@"; echo; } >> "$STUB_LOG"
 """
@@ -96,6 +101,7 @@ class Node:
         for name, text in (
             ("zeus-async", ZEUS_STUB),
             ("scontrol", SCONTROL_STUB),
+            ("sacctmgr", SACCTMGR_STUB),
             ("logger", LOGGER_STUB),
         ):
             path = self.bin / name
@@ -395,10 +401,42 @@ def test_epilog_when_scontrol_update_fails_still_writes_the_file(node: Node) -> 
     node.show.write_text(show_job(StdOut=f"{node.out}/slurm-4711.out"))
     run = node.run(EPILOG, {"STUB_SCONTROL_FAIL": "slurm_update error: Access/permission denied"})
     assert run.rc == 0
+    # No accounting database either (sacctmgr fails, tried 10 times): one line for both.
+    assert len(run.of("sacctmgr")) == 10
     assert run.of("logger")[0][-1] == (
-        "epilog: job 4711: scontrol update AdminComment failed: "
-        "slurm_update error: Access/permission denied"
+        "epilog: job 4711: AdminComment not written: scontrol: "
+        "slurm_update error: Access/permission denied; sacctmgr: "
+        "sacctmgr: fatal: Could not establish a configuration source"
     )
+    assert written(node)[0] == REPORT
+
+
+def test_epilog_of_a_finished_job_writes_admincomment_in_the_accounting_database(
+    node: Node,
+) -> None:
+    """slurmctld refuses to update a finished job (the epilog runs after it finished); with
+    slurmdbd the job's record is written through sacctmgr (tests/agent/test_slurm_jobs.py
+    does it against a real slurmdbd)."""
+    node.show.write_text(show_job(StdOut=f"{node.out}/slurm-4711.out", AdminComment="x=1"))
+    run = node.run(
+        EPILOG,
+        {
+            "STUB_SCONTROL_FAIL": "Job has already finished for job 4711",
+            "STUB_SACCTMGR_OUT": " Modified jobs...\n  4711 submitted at 2026-11-27T06:02:38",
+        },
+    )
+    assert run.rc == 0 and run.of("logger") == []
+    assert run.of("sacctmgr") == [
+        [
+            "-i",
+            "modify",
+            "job",
+            "where",
+            "jobid=4711",
+            "set",
+            "AdminComment=x=1 zeus_energy_j=12345.5",
+        ]
+    ]
     assert written(node)[0] == REPORT
 
 
