@@ -384,3 +384,22 @@ def test_a_job_its_epilog_ended_holds_no_gpu_whatever_its_stragglers_say(
     slurm.register(77, gpus=[1], user="root", uid=0)  # announced again: its GPU again
     w = resolver.for_gpu(1)
     assert w is not None and w.key == "slurm:77"
+
+
+@pytest.mark.parametrize(
+    "cgroup",
+    [
+        "0::/kubepods/burstable/pod6f1c3e2a-59b1-4c1e-9a55-0123456789ab/cafe01",
+        "0::/kubepods.slice/kubepods-burstable.slice/"
+        "kubepods-burstable-pod6f1c3e2a_59b1_4c1e_9a55_0123456789ab.slice/cri-containerd-cafe01.scope",
+    ],
+)
+def test_a_process_of_a_pod_with_no_gpu_is_its_pods_by_uid(tmp_path: Path, cgroup: str) -> None:
+    """Issue 36 (cgroups for CPU): a pod that holds no GPU is not in the kubelet's GPU list;
+    its processes were their user's. Now they are their pod's, by the UID their cgroup names."""
+    proc = FakeProc(tmp_path / "proc")
+    proc.add(900, uid=1000, cgroup=(cgroup,))
+    resolver = WorkloadResolver(proc_root=proc.root)
+    w = resolver.for_pid(900)
+    assert (w.kind, w.key) == ("kubernetes", "k8s-pod:6f1c3e2a-59b1-4c1e-9a55-0123456789ab")
+    assert w.key in {k.key for k in resolver.workloads()}

@@ -20,7 +20,9 @@ that started last):
 
 A process in a Kubernetes pod (``kubepods`` in its cgroup) is matched to the pod container
 that holds its GPUs (``NVIDIA_VISIBLE_DEVICES``, or those it was seen using); until one
-matches (the pod list not read yet) it counts as its user's, and moves to the pod when it does.
+matches (the pod list not read yet), or for good in a pod that holds no GPU, it counts as its
+pod by the UID its cgroup names (``k8s-pod:<uid>``: the kubelet's PodResources list has no
+UIDs, so such a pod has no name here), and moves to the named pod container when it matches.
 A process in no job or pod is its user's: ``uid:<uid>``, with the user name from the password
 database and the command from ``/proc/<pid>/comm``.
 
@@ -55,6 +57,7 @@ from __future__ import annotations
 
 import logging
 import pwd
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -167,6 +170,22 @@ class _Pid:
         # Its environment read empty (mid-execve, a zombie, ``env -i``): read again when
         # next asked for, and at each refresh.
         self.provisional = False
+
+
+_POD_UID = re.compile(
+    r"pod([0-9a-fA-F]{8}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{12})"
+)
+
+
+def _pod_uid(cgroup: Iterable[str]) -> str | None:
+    """The pod UID a process's cgroup names (``/kubepods/burstable/pod<uid>/...``, or the
+    systemd driver's ``kubepods-burstable-pod<uid with _>.slice``), else ``None``."""
+    for path in cgroup:
+        if "kubepods" in path:
+            m = _POD_UID.search(path)
+            if m is not None:
+                return m.group(1).replace("_", "-").lower()
+    return None
 
 
 class WorkloadResolver:
@@ -456,9 +475,17 @@ class WorkloadResolver:
                 return _Pid(start, record.key, record.uid, command, job.step, gpus)
         if uid is None:
             return None
-        user_key = f"uid:{uid}"
-        self._upsert(Workload(kind="process", key=user_key, uid=uid, user=self._user(uid)))
-        entry = _Pid(start, user_key, uid, command)
+        pod_uid = _pod_uid(cgroup)
+        if pod_uid is not None:
+            # A process of a pod: its pod (by the UID its cgroup names) until the kubelet's
+            # list names the pod container holding its GPUs; a pod with no GPU stays so.
+            key = f"k8s-pod:{pod_uid}"
+            self._upsert(Workload(kind="kubernetes", key=key, uid=uid, user=self._user(uid)))
+            entry = _Pid(start, key, uid, command)
+        else:
+            user_key = f"uid:{uid}"
+            self._upsert(Workload(kind="process", key=user_key, uid=uid, user=self._user(uid)))
+            entry = _Pid(start, user_key, uid, command)
         if any("kubepods" in path for path in cgroup):
             visible = environ.get("NVIDIA_VISIBLE_DEVICES", "")
             entry.kube_gpus = tuple(
