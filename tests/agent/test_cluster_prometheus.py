@@ -148,19 +148,47 @@ def test_prometheus_sums_jobs_across_nodes_an_agent_restart_and_a_scrape_gap(
         time.sleep(4.0)
         ended = {(n.name, "41"): n.job("end", "--job", "41", "--json") for n in nodes}
         ended[("node2", "42")] = nodes[2].job("end", "--job", "42", "--json")
-        time.sleep(2.0)  # scraped again, flat after the end
+        # Scraped until Prometheus holds each node's final figure (on a loaded machine a
+        # scrape can miss its 0.5 s deadline), then twice more, flat after the end.
+        deadline = time.monotonic() + 60
+        while True:
+            seen = {
+                (r["metric"]["host"], r["metric"]["job_id"]): float(r["value"][1])
+                for r in query("zeus_workload_gpu_energy_joules_total")
+            }
+            if all(
+                seen.get(key) == pytest.approx(report["energy_j"], rel=1e-9)
+                for key, report in ended.items()
+            ):
+                # Each node's last sample so far (later ones repeat the final figures): once
+                # the agents stop, their series go stale and an instant query finds none.
+                last_at = {
+                    r["metric"]["host"]: float(r["value"][1])
+                    for r in query(
+                        "max by (host) (timestamp(zeus_workload_gpu_energy_joules_total))"
+                    )
+                }
+                break
+            assert time.monotonic() < deadline, (seen, ended)
+            time.sleep(0.25)
+        time.sleep(1.0)
     finally:
         for n in nodes:
             n.stop()
     try:
-        # At the last scrape's own time, so increase() has nothing to extrapolate at its end.
-        (last,) = query("max(timestamp(zeus_workload_gpu_energy_joules_total))")
-        at = float(last["value"][1])
-        rows = query("sum by (job_id) (increase(zeus_workload_gpu_energy_joules_total[5m]))", at=at)
+        # Each node's sum at its own last scrape: increase() extrapolates to the end of its
+        # range at the series' average rate whenever the range ends after the last sample
+        # (here by up to a scrape interval, +0.5 % of the job's energy: targets are scraped at
+        # different instants). Per node, at its last sample, it has nothing to extrapolate.
+        summed: dict[str, float] = {}
+        for n in nodes:
+            metric = f'zeus_workload_gpu_energy_joules_total{{host="{n.name}"}}'
+            for r in query(f"sum by (job_id) (increase({metric}[5m]))", at=last_at[n.name]):
+                job_id = r["metric"]["job_id"]
+                summed[job_id] = summed.get(job_id, 0.0) + float(r["value"][1])
     finally:
         prom.terminate()
         prom.wait(timeout=30)
-    summed = {r["metric"]["job_id"]: float(r["value"][1]) for r in rows}
     epilogs = {"41": 0.0, "42": 0.0}
     for (_, job), report in ended.items():
         epilogs[job] += report["energy_j"]
