@@ -147,3 +147,21 @@ def test_prometheus_serves_the_jobs_counters(env: dict[str, str]) -> None:
     assert len(lines) == 1 and 'gpu="3"' in lines[0] and 'host="node7"' in lines[0]
     assert 'job_id="31"' in lines[0] and 'workload="slurm:31"' in lines[0]
     assert float(lines[0].rsplit(" ", 1)[1]) > 0
+
+
+def test_a_named_agent_that_is_not_there_is_one_line_at_once(env: dict[str, str]) -> None:
+    """Asked of a socket that does not exist, `job` waited 10 s for an answer."""
+    t0 = time.monotonic()
+    run = _cli(env, "job", "end", "--job", "5", "--agent", "/nonexistent/agent.sock")
+    assert run.returncode == 1 and time.monotonic() - t0 < 8
+    assert run.stderr.strip() == (
+        "zeus-async job: no agent at ipc:///nonexistent/agent.sock: no such socket"
+    )
+
+
+@pytest.mark.parametrize("port", ["-5", "70000", "abc"])
+def test_a_bad_metrics_port_is_refused_before_the_agent_starts(
+    env: dict[str, str], port: str
+) -> None:
+    run = _cli(env, "agent", "--backend", "sim", "--prometheus-port", port)
+    assert run.returncode == 2 and "argument --prometheus-port: expected a port" in run.stderr

@@ -147,11 +147,14 @@ def agent_request(
     Slurm prolog): hello, the request, goodbye; the agent's reply.
 
     Raises:
+        ConfigError: No socket at an ``ipc://`` endpoint.
         TimeoutError: The agent did not answer within ``timeout_s``.
         Exception: The agent's error, typed as it raised it (``ConfigError``,
             ``PolicyDeniedError``, ...).
     """
     check_endpoint(endpoint)
+    if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://") :]):
+        raise ConfigError(f"no agent at {endpoint}: no such socket")
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)

@@ -20,6 +20,7 @@ from .common import (
     CliError,
     describe_error,
     period,
+    port_number,
     positive_float,
     service_backend,
 )
@@ -64,7 +65,7 @@ def add_parsers(sub: Any) -> None:
     )
     agt.add_argument(
         "--prometheus-port",
-        type=int,
+        type=port_number,
         default=None,
         metavar="PORT",
         help="serve Prometheus metrics on PORT (per GPU and per workload; 0: any free port)",

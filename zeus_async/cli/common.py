@@ -101,6 +101,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0..65535 (0: any free port)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {text!r}")
+    return value
+
+
 def nonnegative_float(text: str) -> float:
     """argparse type: a finite number >= 0."""
     try:
