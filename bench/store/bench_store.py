@@ -36,7 +36,7 @@ def make_events(n: int) -> list[Event]:
 async def record_async(path: Path, events: list[Event]) -> float:
     """Publish through a hub into the Recorder, as the runtime does (batched consumer)."""
     hub = Hub()
-    recorder = Recorder(path, flush_events=4096)
+    recorder = Recorder(path, flush_events=4096, overwrite=True)  # each repeat replaces the last
     batches = hub.subscribe_batches(16384)
     t0 = time.perf_counter()
     async with anyio.create_task_group() as tg:
@@ -55,7 +55,7 @@ async def record_consumer_only(path: Path, events: list[Event]) -> float:
     for e in events:
         batches.send_nowait(e)
     batches.close()
-    recorder = Recorder(path, flush_events=4096)
+    recorder = Recorder(path, flush_events=4096, overwrite=True)  # each repeat replaces the last
     t0 = time.perf_counter()
     await recorder.run(batches)
     return time.perf_counter() - t0
@@ -135,10 +135,12 @@ def main() -> int:
     out["recorder_only_s"] = best(
         args.repeat, lambda: anyio.run(record_consumer_only, rec, events, backend="asyncio")
     )
-    out["write_recording_s"] = best(args.repeat, timed(lambda: write_recording(sync_path, events)))
+    out["write_recording_s"] = best(
+        args.repeat, timed(lambda: write_recording(sync_path, events, overwrite=True))
+    )
     plain = default_header(compression="none")
     out["write_plain_s"] = best(
-        args.repeat, timed(lambda: write_recording(plain_path, events, plain))
+        args.repeat, timed(lambda: write_recording(plain_path, events, plain, overwrite=True))
     )
     out["read_s"] = best(args.repeat, timed(read_all))
     out["read_batches_s"] = best(args.repeat, timed(read_batches))
