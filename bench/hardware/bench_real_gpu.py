@@ -182,6 +182,18 @@ def call_costs(report: Report, device: Any, gpu: int, calls: int) -> None:
         ),
         ("zeus_async device.read(all fields)", lambda: device.read(every_field, "h", 0)),
     ]
+    energy_fields = [
+        ("TOTAL_ENERGY_CONSUMPTION", nv.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION),
+        ("ENERGY", getattr(nv, "NVML_FI_DEV_ENERGY", 191)),
+    ]
+    for label, fid in energy_fields:
+        candidates.insert(
+            3,
+            (
+                f"nvmlDeviceGetFieldValues({label})",
+                lambda fid=fid: nv.nvmlDeviceGetFieldValues(handle, [fid]),  # type: ignore[misc]
+            ),
+        )
     rows: list[list[object]] = []
     for name, call in candidates:
         try:
@@ -197,6 +209,18 @@ def call_costs(report: Report, device: Any, gpu: int, calls: int) -> None:
         rows.append([name, f"{cpu:.1f}", f"{wall:.1f}"])
     report.add(f"## NVML call cost ({calls} calls back to back, after one warm-up call)\n")
     report.table(["call", "CPU µs", "wall µs"], rows)
+    # The energy counter, one call at a time every 10 ms (as a sampler reads it): the spread.
+    spread: list[float] = []
+    for _ in range(min(calls, 100)):
+        c0 = time.thread_time_ns()
+        nv.nvmlDeviceGetTotalEnergyConsumption(handle)
+        spread.append((time.thread_time_ns() - c0) / 1e3)
+        time.sleep(0.01)
+    report.add(
+        f"nvmlDeviceGetTotalEnergyConsumption one call every 10 ms, CPU µs: median "
+        f"{_pct(spread, 0.5):.1f}, p10 {_pct(spread, 0.1):.1f}, p90 {_pct(spread, 0.9):.1f}, "
+        f"max {max(spread):.1f} ({len(spread)} calls)\n"
+    )
 
 
 # -- 3. under load ----------------------------------------------------------------------------
@@ -454,6 +478,8 @@ def run(args: argparse.Namespace) -> Report:
     report.add(f"`{' '.join(sys.argv)}`, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
     device = machine(report, args.gpu)
     call_costs(report, device, args.gpu, args.calls)
+    if args.costs_only:
+        return report
     load: subprocess.Popen[str] | None = None
     limit_s = 0.0 if args.no_power_limit else 3 * args.phase
     if not args.sim:
@@ -488,6 +514,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=500, help="calls per NVML cost figure")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--no-power-limit", action="store_true", help="leave the power limit alone")
+    parser.add_argument(
+        "--costs-only", action="store_true", help="the machine and the NVML call costs, no load"
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -20,7 +20,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
-    anyio==4.16.0 msgspec==0.22.0 aiofiles pyzmq==27.3.0 nvidia-ml-py==13.615.71 \
+    anyio==4.16.0 msgspec==0.22.0 aiofiles pyzmq==27.3.0 nvidia-ml-py==13.615.71 zstandard \
     typing-extensions idna \
     zeus==0.16.0 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types typing-inspection \
     tyro docstring-parser shtab typeguard amdsmi

@@ -1,7 +1,9 @@
 """A job that changes hardware settings, for restore tests and benchmarks.
 
-``python -m zeus_async.testing.restore_job [--record PATH] [--thread] [--print-windows]``: opens a
-:class:`~zeus_async.Monitor` on the node simulated by ``ZEUS_ASYNC_SIM``, caps every GPU's power
+``python -m zeus_async.testing.restore_job [--record PATH] [--thread] [--print-windows]
+[--backend nvml]``: opens a :class:`~zeus_async.Monitor` on the node simulated by
+``ZEUS_ASYNC_SIM`` (or, with ``--backend nvml``, on the GPUs NVML shows: a real GPU, as
+``bench/hardware/bench_real_restore.py`` runs it), caps every GPU's power
 limit to its minimum and locks GPU 0's SM clock (the two settings the optimizers change),
 prints ``capped <agent pid>`` and then measures one window after another until it is stopped.
 The test or benchmark stops it one way or another and reads the node's state from outside.
@@ -21,13 +23,14 @@ logger = logging.getLogger(__name__)
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--record", default=None)
+    parser.add_argument("--backend", default="sim", choices=("sim", "nvml"))
     parser.add_argument("--thread", action="store_true", help="sampler='thread'")
     parser.add_argument(
         "--print-windows", action="store_true", help="wait for each window, print its energy"
     )
     args = parser.parse_args()
     monitor = Monitor(
-        backend="sim",
+        backend=args.backend,
         cpu_indices=[],
         record=args.record,
         sampler="thread" if args.thread else "process",
