@@ -27,6 +27,7 @@ from .errors import CodecError
 
 __all__ = [
     "SCHEMA_VERSION",
+    "Capabilities",
     "ClockChange",
     "DeviceFault",
     "DeviceInfo",
@@ -290,6 +291,23 @@ class DeviceFault(msgspec.Struct, tag="fault", **_OPTS):
     retry_in_s: float | None = None
 
 
+class Capabilities(msgspec.Struct, array_like=True, gc=False):
+    """What a device can and cannot do, as its backend found it (issue 37).
+
+    Attributes:
+        energy_counter: A hardware (or firmware-model) energy counter that windows difference;
+            without one, window energy integrates power readings (with its error bound).
+        power_cap: The power limit (NVIDIA) or power cap (AMD) can be read and set.
+        clocks: SM/graphics clocks can be locked and reset.
+        per_process: The driver lists the processes on the device and their use.
+    """
+
+    energy_counter: bool = False
+    power_cap: bool = False
+    clocks: bool = False
+    per_process: bool = False
+
+
 class DeviceInfo(msgspec.Struct, array_like=True, gc=False):
     """Static description of one device, as published in :class:`StreamInfo`.
 
@@ -309,6 +327,21 @@ class DeviceInfo(msgspec.Struct, array_like=True, gc=False):
     #: The device's index as the driver numbers it (``nvidia-smi``'s, NVML's), whatever
     #: ``CUDA_VISIBLE_DEVICES`` made of it: ``gpu:1`` may be physical GPU 3 (``None``: unknown).
     index: int | None = None
+    #: ``nvidia``, ``amd``, ``apple``, ``nvidia-jetson``, ``intel``/``amd`` (CPU packages);
+    #: ``""`` in recordings made before vendors were named (NVIDIA or a CPU package).
+    vendor: str = ""
+    #: How window energy is obtained: ``counter`` (the device's energy counter) or
+    #: ``integrated-power`` (power readings integrated over time); ``""``: before this field.
+    energy_method: str = ""
+    #: Why, in words, when it is not the obvious one: "the counter failed its start check
+    #: (it read 0.0 J over 1.0 s at 180 W): integrated power", "IOReport Energy Model (model-
+    #: based, ~1 mJ)", "MODULE scope (GPU + CPU + memory): integrated power".
+    energy_note: str = ""
+    #: What the device can do; ``None`` in recordings made before capabilities were said.
+    capabilities: Capabilities | None = None
+    #: The power scope read (NVML: ``gpu`` or ``module`` on Grace superchips); ``""``: the
+    #: device's only one.
+    power_scope: str = ""
 
 
 class StreamInfo(msgspec.Struct, tag="stream", **_OPTS):

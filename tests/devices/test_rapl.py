@@ -31,7 +31,7 @@ from zeus_async.errors import (
     NoPermissionError,
     ZeusAsyncError,
 )
-from zeus_async.events import DeviceInfo, RaplSample
+from zeus_async.events import Capabilities, DeviceInfo, RaplSample
 from zeus_async.testing.fake_sysfs import DEFAULT_RANGE_UJ, FakePowercap
 
 HOST = "node0"
@@ -80,7 +80,12 @@ def test_discovers_package_core_dram_psys(fake: FakePowercap) -> None:
         assert dev.fields == ("package", "core", "dram", "psys")
         info = dev.describe()
         assert info == DeviceInfo(
-            key="cpu:0", name="CPU package 0 (RAPL)", arch="cpu", has_energy_counter=True
+            key="cpu:0",
+            name="CPU package 0 (RAPL)",
+            arch="cpu",
+            has_energy_counter=True,
+            energy_method="counter",
+            capabilities=Capabilities(energy_counter=True),
         )
         assert dev.max_energy_range_uj("core") == DEFAULT_RANGE_UJ
         with pytest.raises(KeyError):

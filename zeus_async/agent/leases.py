@@ -21,6 +21,7 @@ from typing import NamedTuple, Protocol
 import msgspec
 
 from .._liveness import pid_alive
+from ..devices import is_simulated
 from ..errors import JournalError, LeaseConflictError
 from .journal import (
     SUFFIX,
@@ -343,6 +344,8 @@ class Leases:
 
 
 def _sim_gpus(sim_config: str | None) -> dict[str, _Settable]:
+    """The simulated node's GPUs by UUID, whichever vendor's API served them (one node-wide
+    state beneath every simulated API)."""
     from ..devices.sim import SimNode
     from ..devices.sim_config import SimConfig, load_sim_config
 
@@ -553,7 +556,7 @@ def _restore_doc(doc: JournalDoc, restored: list[Restored], owner: int) -> list[
     """Restore ``doc``'s entries into ``restored``; the entries to try again later."""
     close: Callable[[], None] = lambda: None  # noqa: E731
     try:
-        if doc.backend == "sim":
+        if is_simulated(doc.backend):
             gpus = _sim_gpus(doc.sim_config)
         else:
             gpus, close = _nvml_gpus()

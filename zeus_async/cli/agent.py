@@ -15,9 +15,11 @@ import msgspec
 from ..errors import ZeusAsyncError
 from . import processes as _processes
 from .common import (
+    BACKEND_HELP,
     EXIT_ERROR,
     EXIT_OK,
     CliError,
+    backend_arg,
     describe_error,
     period,
     port_number,
@@ -49,7 +51,7 @@ def add_parsers(sub: Any) -> None:
         action="store_true",
         help="only restore the settings dead processes left changed, then exit",
     )
-    agt.add_argument("--backend", choices=("auto", "nvml", "sim"), default="auto")
+    agt.add_argument("--backend", type=backend_arg, default="auto", help=BACKEND_HELP)
     agt.add_argument("--period", type=period, default=0.01, help="sampling period (s, >= 0.001)")
     agt.add_argument("--adaptive", action="store_true", help="adaptive reads (see monitor)")
     agt.add_argument("--publish", metavar="ENDPOINT", help="also publish on a ZeroMQ endpoint")

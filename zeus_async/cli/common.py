@@ -61,12 +61,12 @@ def service_backend(backend: str, command: str) -> str:
         CliError: ``auto`` and no NVIDIA driver here.
         DeviceError: ``auto`` and a driver that is installed but fails (typed).
     """
-    from ..devices import auto_backend
+    from ..devices import auto_backend, is_simulated
 
     if backend != "auto":
         return backend
     chosen = auto_backend()
-    if chosen == "sim":
+    if is_simulated(chosen):
         raise CliError(
             f"no NVIDIA driver on this machine; {command} serves real GPUs only unless told "
             "otherwise: run it with --backend sim to serve simulated ones"
@@ -75,6 +75,26 @@ def service_backend(backend: str, command: str) -> str:
 
 
 # -- argument helpers ---------------------------------------------------------------------------
+
+
+def backend_arg(text: str) -> str:
+    """``--backend``: one of the backends of :mod:`zeus_async.devices`, or real ones joined by
+    ``+`` (``nvml+amd``)."""
+    from ..devices import resolve_backend
+
+    if text == "auto":
+        return text
+    try:
+        return resolve_backend(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+BACKEND_HELP = (
+    "auto (every GPU vendor present, else simulated NVIDIA GPUs), nvml, amd, jetson, apple, "
+    "sim (simulated NVIDIA), sim-amd, sim-jetson, sim-apple, or real ones joined by + "
+    "(nvml+amd)"
+)
 
 
 def int_list(text: str) -> list[int]:

@@ -21,11 +21,14 @@ from rich.console import RenderableType
 from rich.text import Text
 
 from ..aggregate import LiveTotals
+from ..devices import is_simulated
 from ..events import Event, GpuSample, RaplSample
 from . import processes as _processes
 from .common import (
+    BACKEND_HELP,
     EXIT_OK,
     Command,
+    backend_arg,
     exit_status,
     int_list,
     period,
@@ -61,7 +64,7 @@ def add_parsers(sub: Any) -> None:
         "the tracked processes live; print each device's energy when stopped (Ctrl-C, "
         "--duration, or the end of `-- COMMAND`). Without an NVIDIA GPU, simulated GPUs.",
     )
-    mon.add_argument("--backend", choices=("auto", "nvml", "sim"), default="auto")
+    mon.add_argument("--backend", type=backend_arg, default="auto", help=BACKEND_HELP)
     mon.add_argument("--gpus", type=int_list, default=None, help="GPU indices, e.g. 0,1")
     mon.add_argument("--cpus", choices=("auto", "none"), default="auto", help="RAPL packages")
     mon.add_argument("--period", type=period, default=0.01, help="sampling period (s, >= 0.001)")
@@ -351,9 +354,9 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
             if child is not None:
                 where += f", running {' '.join(command)} (pid {child.pid})"
             backend = rt.backend
-            if backend == "sim":
-                why = ": no NVIDIA driver on this machine" if args.backend == "auto" else ""
-                backend = f"sim (SIMULATED GPUs{why})"
+            if is_simulated(backend):
+                why = ": no GPU driver on this machine" if args.backend == "auto" else ""
+                backend = f"{backend} (SIMULATED GPUs{why})"
             title = (
                 f"backend {backend}, {len(rt.devices)} device(s), "
                 f"period {args.period * 1e3:g} ms{where}"

@@ -16,8 +16,10 @@ import anyio
 from ..events import Event, ProcessSample
 from ..exporters.names import DEFAULT_PORT, NAME_SETS
 from .common import (
+    BACKEND_HELP,
     CliError,
     Command,
+    backend_arg,
     exit_status,
     int_list,
     positive_float,
@@ -354,7 +356,7 @@ def add_parsers(sub: Any) -> None:
         help="export these ZeroMQ streams instead of sampling here",
     )
     add_client_curve_args(exp, what="the --connect endpoints")
-    exp.add_argument("--backend", choices=("auto", "nvml", "sim"), default="auto")
+    exp.add_argument("--backend", type=backend_arg, default="auto", help=BACKEND_HELP)
     exp.add_argument("--gpus", type=int_list, default=None, help="GPU indices, e.g. 0,1")
     exp.add_argument("--cpus", choices=("auto", "none"), default="auto", help="RAPL packages")
     exp.add_argument("--period", type=positive_float, default=0.1, help="sampling period (s)")

@@ -30,6 +30,7 @@ __all__ = [
     "GpuControl",
     "OpenedDevices",
     "auto_backend",
+    "is_simulated",
     "open_devices",
     "resolve_backend",
 ]
@@ -40,8 +41,22 @@ logger = logging.getLogger(__name__)
 _NVML_DRIVER_NOT_LOADED = 9
 _NVML_LIBRARY_NOT_FOUND = 12
 
-Backend = Literal["auto", "nvml", "sim"]
-BACKENDS: tuple[str, ...] = ("auto", "nvml", "sim")
+Backend = Literal[
+    "auto", "nvml", "amd", "jetson", "apple", "sim", "sim-amd", "sim-jetson", "sim-apple"
+]
+#: The GPU backends of real hardware, in the order ``auto`` numbers their GPUs on a mixed node.
+VENDOR_BACKENDS: tuple[str, ...] = ("nvml", "amd", "jetson", "apple")
+#: Every backend name: ``auto``, the real ones, and the simulator beneath each vendor's API
+#: (``sim`` is the simulator beneath ``pynvml``, or beneath the API its config's vendor names).
+BACKENDS: tuple[str, ...] = ("auto", *VENDOR_BACKENDS, "sim", "sim-amd", "sim-jetson", "sim-apple")
+#: The simulated vendor of each ``sim-*`` backend.
+SIM_VENDORS: dict[str, str] = {"sim-amd": "amd", "sim-jetson": "jetson", "sim-apple": "apple"}
+
+
+def is_simulated(backend: str) -> bool:
+    """Whether ``backend`` (as :func:`resolve_backend` or :class:`OpenedDevices` name it)
+    serves simulated devices."""
+    return backend == "sim" or backend.startswith("sim-")
 
 
 class OpenedDevices:
@@ -71,8 +86,13 @@ def open_devices(
     """Open the GPUs (and CPU packages) to sample.
 
     Args:
-        backend: ``auto``, ``nvml`` (real driver, error if absent) or ``sim``.
-        gpus: Logical GPU indices (after ``CUDA_VISIBLE_DEVICES``); ``None`` = all.
+        backend: ``auto`` (every vendor present; the simulator where none is), ``nvml``,
+            ``amd``, ``jetson``, ``apple`` (that vendor's real API, an error if absent),
+            ``sim`` or ``sim-<vendor>`` (the simulator beneath that vendor's API), or several
+            real ones joined by ``+`` (``nvml+amd``: one mixed node, GPUs numbered in that
+            order).
+        gpus: Logical GPU indices (after ``CUDA_VISIBLE_DEVICES``; on a mixed node, positions
+            in the order above); ``None`` = all.
         cpus: RAPL package indices; ``"auto"`` = all if readable (skipped with a log line
             otherwise); ``None`` or ``[]`` = none. Explicit indices raise when unreadable.
         clock: Clock the simulator follows (``sim`` backend only).
@@ -83,18 +103,97 @@ def open_devices(
         ConfigError: Unknown backend or bad indices.
         DriverNotLoadedError: ``backend="nvml"`` on a host without a driver.
     """
-    from . import nvml
-
     chosen = resolve_backend(backend)
-    if chosen == "sim":
-        from ..testing import sim_pynvml
-
-        sim_pynvml.install(config=sim_config, clock=clock)  # type: ignore[arg-type]
-        gpu_devices: list[Device] = list(nvml.open_nvml_gpus(gpus, pynvml_module=sim_pynvml))
-    else:
-        gpu_devices = list(nvml.open_nvml_gpus(gpus))
+    parts = chosen.split("+")
+    if len(parts) == 1:
+        gpu_devices = _open_gpus(parts[0], gpus, 0, clock, sim_config)
+    else:  # a mixed node: every GPU of each vendor, numbered in order; then the ones asked for
+        every: list[Device] = []
+        for part in parts:
+            every.extend(_open_gpus(part, None, len(every), clock, sim_config))
+        gpu_devices = _select(every, gpus)
     cpu_devices = _open_cpus(cpus, rapl_root)
     return OpenedDevices(chosen, gpu_devices, cpu_devices)
+
+
+def _select(devices: list[Device], indices: Sequence[int] | None) -> list[Device]:
+    """``devices[i]`` for each of ``indices`` (all for ``None``); the others closed.
+
+    Raises:
+        ConfigError: An index past the last GPU.
+    """
+    if indices is None:
+        return devices
+    bad = [i for i in indices if not 0 <= i < len(devices)]
+    if bad:
+        for d in devices:
+            d.close()
+        raise ConfigError(f"no GPU {bad[0]}: this node has {len(devices)} (indices 0..)")
+    keep = [devices[i] for i in indices]
+    for d in devices:
+        if d not in keep:
+            d.close()
+    return keep
+
+
+def _open_gpus(
+    backend: str,
+    indices: Sequence[int] | None,
+    first_index: int,
+    clock: Clock | None,
+    sim_config: object | None,
+) -> list[Device]:
+    """The GPUs of one backend (``first_index``: the key of its first GPU on a mixed node)."""
+    from . import nvml
+
+    if backend == "sim" or backend in SIM_VENDORS:
+        from .sim_config import SimConfig, sim_config_for
+
+        config = sim_config_for(
+            SIM_VENDORS.get(backend), sim_config if isinstance(sim_config, SimConfig) else None
+        )
+        vendor = config.vendor
+        if vendor == "nvidia":
+            from ..testing import sim_pynvml
+
+            sim_pynvml.install(config=config, clock=clock)
+            return list(nvml.open_nvml_gpus(indices, pynvml_module=sim_pynvml))
+        if vendor == "amd":
+            from ..testing import sim_amdsmi
+            from .amd import open_amd_gpus
+
+            sim_amdsmi.install(config=config, clock=clock)
+            return list(open_amd_gpus(indices, amdsmi_module=sim_amdsmi, first_index=first_index))
+        if vendor == "jetson":
+            from ..testing import sim_jetson
+            from .jetson import open_jetson_gpus
+
+            fs = sim_jetson.install(config=config, clock=clock)
+            return list(open_jetson_gpus(indices, fs=fs, first_index=first_index))
+        if vendor == "apple":
+            from ..testing import sim_ioreport
+            from .apple import open_apple_gpus
+
+            source = sim_ioreport.install(config=config, clock=clock)
+            return list(open_apple_gpus(indices, source=source, first_index=first_index))
+        raise ConfigError(f"the simulator has no vendor {vendor!r}")
+    if backend == "nvml":
+        if first_index:
+            raise ConfigError("NVIDIA GPUs come first on a mixed node (nvml+...)")
+        return list(nvml.open_nvml_gpus(indices))
+    if backend == "amd":
+        from .amd import open_amd_gpus
+
+        return list(open_amd_gpus(indices, first_index=first_index))
+    if backend == "jetson":
+        from .jetson import open_jetson_gpus
+
+        return list(open_jetson_gpus(indices, first_index=first_index))
+    if backend == "apple":
+        from .apple import open_apple_gpus
+
+        return list(open_apple_gpus(indices, first_index=first_index))
+    raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
 #: Where a kernel driver shows itself (the library alone may be in a container's image).
@@ -134,19 +233,41 @@ def no_driver_installed(error: DeviceError) -> bool:
     return not any(os.path.exists(path) for path in _DRIVER_PATHS)
 
 
+def other_vendors_present() -> list[str]:
+    """The backends besides NVML whose hardware this machine has (``amd``, ``jetson``,
+    ``apple``), each asked through its own module's ``*_present()``."""
+    found: list[str] = []
+    from . import amd, apple, jetson
+
+    for name, present in (
+        ("amd", amd.amd_present),
+        ("jetson", jetson.jetson_present),
+        ("apple", apple.apple_present),
+    ):
+        try:
+            if present():
+                found.append(name)
+        except Exception as exc:  # a probe must never stop the others
+            logger.debug("probing %s failed: %s", name, exc)
+    return found
+
+
 def auto_backend() -> str:
-    """What ``auto`` means here: ``nvml`` when NVML answers, ``sim`` where no NVIDIA driver is
-    installed at all (nothing said: callers say it their way).
+    """What ``auto`` means here: every vendor present, joined by ``+`` in the order of
+    :data:`VENDOR_BACKENDS` (``nvml``, ``amd``, ``nvml+amd``, ``jetson``...), and ``sim``
+    where none is and no NVIDIA driver is installed at all (nothing said: callers say it
+    their way).
 
     Raises:
-        DeviceError: The driver is installed but fails (the typed NVML error:
+        DeviceError: The NVIDIA driver is installed but fails (the typed NVML error:
             ``NoPermissionError``, ``DriverNotLoadedError``, ...).
     """
     error = nvml_error()
+    others = other_vendors_present()
     if error is None:
-        return "nvml"
+        return "+".join(["nvml", *others])
     if no_driver_installed(error):
-        return "sim"
+        return "+".join(others) if others else "sim"
     message = (
         f"an NVIDIA driver is installed but NVML fails ({error}); not falling back to "
         "simulated GPUs: fix the driver or its permissions, or pass backend='sim' "
@@ -156,21 +277,30 @@ def auto_backend() -> str:
 
 
 def resolve_backend(backend: str) -> str:
-    """``nvml`` or ``sim`` for ``backend``: ``auto`` as :func:`auto_backend` decides, with a
-    WARNING (once per process) when that is the simulator.
+    """The backend ``backend`` names (``nvml``, ``amd``, ``sim-amd``, ``nvml+amd``, ...):
+    ``auto`` as :func:`auto_backend` decides, with a WARNING (once per process) when that is
+    the simulator.
 
     Raises:
         ConfigError: An unknown backend.
         DeviceError: ``auto`` on a machine whose NVIDIA driver is installed but fails.
     """
     global _warned_simulated
-    if backend not in BACKENDS:
-        raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    parts = backend.split("+")
+    if backend not in BACKENDS and not (
+        len(parts) > 1
+        and all(p in VENDOR_BACKENDS for p in parts)
+        and len(set(parts)) == len(parts)
+    ):
+        raise ConfigError(
+            f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}, or real ones "
+            "joined by '+' (nvml+amd)"
+        )
     if backend != "auto":
         return backend
     chosen = auto_backend()
-    if chosen == "nvml":
-        logger.info("NVIDIA driver found: sampling real GPUs through NVML")
+    if not is_simulated(chosen):
+        logger.info("sampling real GPUs through %s", chosen)
     elif not _warned_simulated:
         _warned_simulated = True
         logger.warning(

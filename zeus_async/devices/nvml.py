@@ -49,7 +49,7 @@ from ..errors import (
     TransientDeviceError,
     ZeusAsyncError,
 )
-from ..events import DeviceInfo, Event, GpuSample
+from ..events import Capabilities, DeviceInfo, Event, GpuSample
 from .base import GPU_FIELDS, GpuProcesses
 from .nvml_visible import parse_cuda_visible_devices
 
@@ -311,6 +311,16 @@ class NvmlGpu:
             power_limit_default_w=None if default is None else default / 1000.0,
             supported_sm_clocks_hz=list(clocks),
             index=self.physical_index,
+            vendor="nvidia",
+            energy_method="counter" if has_counter else "integrated-power",
+            energy_note="" if has_counter else "no energy counter before Volta: integrated power",
+            capabilities=Capabilities(
+                energy_counter=has_counter,
+                power_cap=limits is not None,
+                clocks=bool(clocks),
+                per_process=True,
+            ),
+            power_scope="gpu",
         )
 
     @property

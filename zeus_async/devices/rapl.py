@@ -53,7 +53,7 @@ from ..errors import (
     NoPermissionError,
     TransientDeviceError,
 )
-from ..events import DeviceInfo, Event, RaplDomain, RaplSample
+from ..events import Capabilities, DeviceInfo, Event, RaplDomain, RaplSample
 
 __all__ = [
     "DEFAULT_POWERCAP_ROOT",
@@ -406,6 +406,8 @@ class RaplPackage:
             name=f"CPU package {self._package} (RAPL)",
             arch="cpu",
             has_energy_counter=True,
+            energy_method="counter",
+            capabilities=Capabilities(energy_counter=True),
         )
 
     def _read_raw(self, counter: _Counter) -> int:

@@ -92,6 +92,28 @@ PosInt = Annotated[int, msgspec.Meta(gt=0)]
 Frac = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 
 
+#: The vendors the simulator serves, each beneath its own API: ``nvidia`` (``pynvml``),
+#: ``amd`` (``amdsmi``), ``jetson`` (INA3221 sysfs rails), ``apple`` (IOReport).
+Vendor = Literal["nvidia", "amd", "jetson", "apple"]
+
+
+class AmdSim(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """What the simulated ``amdsmi`` reports beyond the physical model (``vendor="amd"``)."""
+
+
+class JetsonSim(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """What the simulated Jetson INA3221 sysfs tree holds (``vendor="jetson"``)."""
+
+
+class AppleSim(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """What the simulated IOReport energy channels report (``vendor="apple"``)."""
+
+
+class GraceSim(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A Grace superchip (GH200, GB200) beneath ``pynvml``: NVML answers the MODULE power
+    scope (GPU + CPU + memory) besides the GPU one."""
+
+
 class GpuOverride(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Per-GPU deviations from :class:`SimConfig` (``None`` = inherit).
 
@@ -114,6 +136,8 @@ class GpuOverride(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     lost_at_s: float | None = None
     no_permission: bool = False
     power_reading: PowerReading | None = None
+    #: This GPU's vendor on a mixed node (``None``: the node's): each API serves its own.
+    vendor: Vendor | None = None
 
 
 class SimConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -199,6 +223,14 @@ class SimConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
     power_reading: PowerReading = "average_1s"
     workload: Workload = IdleWorkload()
     gpus: tuple[GpuOverride, ...] = ()
+    #: Whose API the simulated GPUs answer through (see :data:`Vendor`); ``sim_preset`` gives
+    #: each vendor's usual device.
+    vendor: Vendor = "nvidia"
+    amd: AmdSim = AmdSim()
+    jetson: JetsonSim = JetsonSim()
+    apple: AppleSim = AppleSim()
+    #: A Grace superchip (MODULE power scope answered); ``None``: a board without one.
+    grace: GraceSim | None = None
 
     def __post_init__(self) -> None:
         if not self.power_limit_min_w <= self.power_limit_default_w <= self.power_limit_max_w:
@@ -234,3 +266,100 @@ def load_sim_config(value: str) -> SimConfig:
         return SimConfig.from_json(Path(text).read_bytes())
     except OSError as exc:
         raise ConfigError(f"cannot read simulator config {text!r}: {exc}") from None
+
+
+#: Each vendor's usual simulated device: the fields that differ from :class:`SimConfig`'s
+#: defaults (an H100 SXM). Figures from the vendors' data sheets.
+_PRESETS: Final[dict[str, dict[str, object]]] = {
+    "nvidia": {},
+    "amd": {
+        "vendor": "amd",
+        "name": "AMD Instinct MI300X",
+        "idle_w": 140.0,
+        "max_w": 750.0,
+        "power_limit_min_w": 400.0,
+        "power_limit_max_w": 750.0,
+        "power_limit_default_w": 750.0,
+        "max_sm_clock_mhz": 2100,
+        "min_sm_clock_mhz": 500,
+        "idle_sm_clock_mhz": 500,
+        "memory_clock_mhz": 1300,
+        "memory_total_bytes": 205_822_885_888,
+        "counter_period_s": 0.001,
+        "power_reading": "instant",
+    },
+    "jetson": {
+        "vendor": "jetson",
+        "name": "NVIDIA Jetson AGX Orin",
+        "arch": "ampere",
+        "num_gpus": 1,
+        "idle_w": 5.0,
+        "max_w": 60.0,
+        "power_limit_min_w": 15.0,
+        "power_limit_max_w": 60.0,
+        "power_limit_default_w": 60.0,
+        "max_sm_clock_mhz": 1300,
+        "min_sm_clock_mhz": 306,
+        "idle_sm_clock_mhz": 306,
+        "memory_total_bytes": 68_719_476_736,
+        "power_reading": "instant",
+    },
+    "apple": {
+        "vendor": "apple",
+        "name": "Apple M3 Max",
+        "num_gpus": 1,
+        "idle_w": 1.0,
+        "max_w": 60.0,
+        "power_limit_min_w": 60.0,
+        "power_limit_max_w": 60.0,
+        "power_limit_default_w": 60.0,
+        "max_sm_clock_mhz": 1398,
+        "min_sm_clock_mhz": 338,
+        "idle_sm_clock_mhz": 338,
+        "memory_total_bytes": 137_438_953_472,
+        "power_reading": "instant",
+    },
+}
+
+
+def sim_preset(vendor: str = "nvidia", **overrides: object) -> SimConfig:
+    """A simulated node of ``vendor``'s usual device (``nvidia``: H100 SXM, ``amd``: MI300X,
+    ``jetson``: AGX Orin, ``apple``: M3 Max), with ``overrides`` (any :class:`SimConfig`
+    field) on top.
+
+    Raises:
+        ConfigError: An unknown vendor or an invalid field.
+    """
+    if vendor not in _PRESETS:
+        raise ConfigError(f"no simulated vendor {vendor!r}; choose one of {', '.join(_PRESETS)}")
+    fields = {**_PRESETS[vendor], **overrides}
+    try:
+        return msgspec.convert(fields, type=SimConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid simulator config: {exc}") from None
+
+
+def sim_config_for(vendor: str | None, config: SimConfig | None) -> SimConfig:
+    """The configuration a ``sim``/``sim-<vendor>`` backend runs: ``config`` (else the one in
+    :data:`SIM_ENV_VAR`, else ``vendor``'s preset), served beneath ``vendor``'s API when one
+    is named.
+
+    Raises:
+        ConfigError: ``config`` names another vendor than ``vendor``, or the variable holds
+            an invalid configuration.
+    """
+    import os
+
+    if config is None:
+        text = os.environ.get(SIM_ENV_VAR)
+        if text:
+            config = SimConfig.from_json(text)
+    if config is None:
+        return sim_preset(vendor or "nvidia")
+    if vendor is not None and config.vendor != vendor:
+        if config.vendor != "nvidia":
+            raise ConfigError(
+                f"backend sim-{vendor} with a simulator config of vendor {config.vendor!r}"
+            )
+        config = msgspec.structs.replace(config, vendor=vendor)
+    return config

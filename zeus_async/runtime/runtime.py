@@ -34,7 +34,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from .._threads import run_sync
 from ..aggregate.windows import WindowResult, WindowTracker
 from ..clock import Clock, RealClock
-from ..devices import OpenedDevices, open_devices
+from ..devices import OpenedDevices, is_simulated, open_devices
 from ..devices.base import Device, GpuControl, GpuProcessReader
 from ..devices.processes import ProcessSource
 from ..errors import ConfigError, sole_exception
@@ -398,7 +398,7 @@ class Runtime:
         )
         self.backend = opened.backend
         self.devices = opened.all
-        if self.backend == "sim" and any(d.key.startswith("gpu:") for d in self.devices):
+        if is_simulated(self.backend) and any(d.key.startswith("gpu:") for d in self.devices):
             # Provenance: the recording header, every StreamInfo (subscribers, exporters) and
             # the OTLP resource say that the GPU figures are simulated.
             self._meta["simulated"] = "true"
@@ -538,7 +538,7 @@ class Runtime:
             from ..devices.sim_config import SIM_ENV_VAR
 
             sim_json: str | None = None
-            if self.backend == "sim":
+            if is_simulated(self.backend):
                 if self._sim_config is not None:
                     import msgspec
 
