@@ -266,8 +266,9 @@ class Monitor(ClosedOnExit):
             :attr:`prometheus_port`).
         prometheus_addr: The address it binds: loopback by default, ``0.0.0.0`` for every
             interface (a Prometheus server on another machine).
-        prometheus_names: ``native`` metric names, or ``dcgm`` for dcgm-exporter's names,
-            units and labels on the GPU series (its Grafana dashboards work unchanged).
+        prometheus_names: ``native`` metric names, ``dcgm`` for dcgm-exporter's names,
+            units and labels on the GPU series (its Grafana dashboards work unchanged), or
+            ``amd`` for the AMD Device Metrics Exporter's.
         otlp: Push the measurements to this OpenTelemetry OTLP/HTTP metrics endpoint
             (``http://collector:4318``; the ``otel`` extra), with the rank's job, rank and host
             as resource attributes (:mod:`zeus_async.exporters.otlp`).

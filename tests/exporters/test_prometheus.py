@@ -621,6 +621,31 @@ def test_dcgm_names_units_and_labels() -> None:
     assert 'DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{Hostname="node1",UUID="GPU-00000000-abcd"' in text
 
 
+def test_amd_device_metrics_exporter_names_units_and_labels() -> None:
+    exporter = PrometheusExporter(names="amd")
+    exporter.add([stream_info(), full_gpu(T0, 0), full_gpu(T0, 1)])
+    got = scrape(exporter)
+    g0 = lab(
+        host=H,
+        gpu=0,
+        Hostname=H,
+        UUID="GPU-00000000-abcd",
+        modelName="NVIDIA H100 80GB HBM3",
+        gpu_id=0,
+        hostname=H,
+        card_model="NVIDIA H100 80GB HBM3",
+    )
+    assert got["gpu_package_power"][g0] == 312.5
+    assert got["gpu_energy_consumed"][g0] == pytest.approx(1_500_000.5 * 1e6)  # µJ
+    assert got["gpu_junction_temperature"][g0] == 61.0
+    assert got["gpu_clock"][g0] == pytest.approx(1980.0)  # MHz
+    assert got["gpu_gfx_activity"][g0] == 75.0  # %
+    assert got["gpu_used_vram"][g0] == pytest.approx(72_000.0)  # MB
+    assert got["zeus_gpu_power_limit_watts"][g0] == 700.0  # no AMD name: ours
+    assert not any(name.startswith("DCGM_") for name in got)
+    assert "zeus_gpu_power_watts" not in got
+
+
 def test_native_gpu_series_get_uuid_labels_once_described() -> None:
     exporter = PrometheusExporter()
     exporter.add([full_gpu(T0, 0)])  # before the stream's description

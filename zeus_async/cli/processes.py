@@ -308,7 +308,8 @@ def add_prometheus_args(parser: Any, *, prefix: str) -> None:
         f"{prefix}names",
         choices=NAME_SETS,
         default="native",
-        help="metric names: native (zeus_...) or dcgm (dcgm-exporter's, for its dashboards)",
+        help="metric names: native (zeus_...), dcgm (dcgm-exporter's) or amd (AMD Device "
+        "Metrics Exporter's), for their dashboards",
     )
 
 

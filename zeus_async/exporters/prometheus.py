@@ -52,7 +52,10 @@ simulated figures as a real GPU's. With ``names="dcgm"`` the GPU
 series take dcgm-exporter's names, units and labels instead (``DCGM_FI_DEV_POWER_USAGE`` W,
 ``DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION`` mJ, ``DCGM_FI_DEV_GPU_TEMP`` C, ``DCGM_FI_DEV_SM_CLOCK``
 MHz, ``DCGM_FI_DEV_GPU_UTIL`` %, ``DCGM_FI_DEV_FB_USED`` MiB, ``DCGM_FI_DEV_POWER_MGMT_LIMIT``
-W; plus ``device="nvidiaN"``), so dashboards built for it work unchanged.
+W; plus ``device="nvidiaN"``), so dashboards built for it work unchanged. With ``names="amd"``
+they take the AMD Device Metrics Exporter's (``gpu_package_power`` W, ``gpu_energy_consumed``
+µJ, ``gpu_junction_temperature`` C, ``gpu_clock`` MHz, ``gpu_gfx_activity`` %,
+``gpu_used_vram`` MB; plus ``gpu_id``, ``card_model`` and ``hostname``), for its dashboards.
 
 Window names are label values, so they are bounded: at most ``max_windows`` names (the least
 recently finished one makes room), and a name whose last window is older than
@@ -80,7 +83,7 @@ import errno
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Final
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIServer, make_server
 
@@ -107,6 +110,7 @@ from ..events import (
 from ..runtime.hub import EventBatches, feed_batches
 from .names import DEFAULT_PORT, NAME_SETS
 from .prometheus_families import (
+    _AMD_FAMILIES,
     _DCGM_FAMILIES,
     _EXPORTER_FAMILIES,
     _GPU_FAMILIES,
@@ -135,6 +139,9 @@ from .prometheus_server import _best_family, _QuietHandler
 from .prometheus_server import _Server as _Server
 
 __all__ = ["DEFAULT_PORT", "NAME_SETS", "PrometheusExporter"]
+
+#: The GPU families of each name set.
+_GPU_NAME_SETS: Final = {"native": _GPU_FAMILIES, "dcgm": _DCGM_FAMILIES, "amd": _AMD_FAMILIES}
 
 
 logger = logging.getLogger(__name__)
@@ -167,7 +174,7 @@ class PrometheusExporter(ClosedOnExit):
         registry: Register in this registry instead of a private one. The fast text path
             (:meth:`render`, :meth:`serve`) then leaves formatting to prometheus_client, since
             the registry may hold other collectors.
-        names: ``native`` or ``dcgm`` (see the module docstring).
+        names: ``native``, ``dcgm`` or ``amd`` (see the module docstring).
         max_windows: Most window names kept.
         window_ttl_s: Seconds of stream time after which an idle window name is dropped.
 
@@ -222,7 +229,7 @@ class PrometheusExporter(ClosedOnExit):
         self._workloads: dict[tuple[str, str, int], _Row] = {}
         self._workload_info: dict[tuple[str, str], dict[str, str]] = {}
         self._tables: tuple[tuple[dict[Any, _Row], tuple[_Family, ...]], ...] = (
-            (self._gpus, _DCGM_FAMILIES if names == "dcgm" else _GPU_FAMILIES),
+            (self._gpus, _GPU_NAME_SETS[names]),
             (self._rapl, _RAPL_FAMILIES),
             (self._procs, _PROC_FAMILIES),
             (self._proc_gpus, _PROC_GPU_FAMILIES),
@@ -297,6 +304,11 @@ class PrometheusExporter(ClosedOnExit):
         if self.names == "dcgm":
             labels["device"] = f"nvidia{gpu}"
             labels.setdefault("Hostname", host)
+        elif self.names == "amd":  # the device metrics exporter's identifying labels
+            labels["gpu_id"] = str(gpu)
+            labels["hostname"] = host
+            if info is not None:
+                labels["card_model"] = info[1]
         return labels
 
     def _new_gpu(self, e: GpuSample) -> _Row:

@@ -111,6 +111,43 @@ _DCGM_FAMILIES: Final = (
     _family("DCGM_FI_DEV_POWER_MGMT_LIMIT", "gauge", "", "Power management limit (in W).", (7, 0)),
 )
 
+#: The same GPU fields under AMD Device Metrics Exporter's names and units (``names="amd"``;
+#: ROCm/device-metrics-exporter's metrics list: ``gpu_package_power`` W,
+#: ``gpu_average_package_power`` W, ``gpu_energy_consumed`` µJ, ``gpu_junction_temperature`` C,
+#: ``gpu_clock`` MHz, ``gpu_gfx_activity`` %, ``gpu_used_vram`` MB), so dashboards built for
+#: it work on our series, whichever vendor's GPU they come from. The power limit has no name
+#: there and keeps ours.
+_AMD_FAMILIES: Final = (
+    _family("gpu_package_power", "gauge", "", "Current socket power in Watts.", (0, 0)),
+    _family("gpu_average_package_power", "gauge", "", "Average socket power in Watts.", (1, 0)),
+    _family(
+        "gpu_energy_consumed",
+        "gauge",
+        "",
+        "Energy consumed by GPU in Micro Jules (uJ).",
+        (2, 0),
+        scale=1e6,
+    ),
+    _family(
+        "gpu_junction_temperature",
+        "gauge",
+        "",
+        "Hotspot (aka junction) temperature value in Celsius.",
+        (3, 0),
+    ),
+    _family("gpu_clock", "gauge", "", "Clock measure of the GPU in Mhz.", (4, 0), scale=1e-6),
+    _family(
+        "gpu_gfx_activity",
+        "gauge",
+        "",
+        "Graphics engine usage percentage (0 - 100).",
+        (5, 0),
+        scale=100.0,
+    ),
+    _family("gpu_used_vram", "gauge", "", "Total VRAM memory used in MB.", (6, 0), scale=1e-6),
+    _gauge("zeus_gpu_power_limit_watts", "watts", "GPU power limit in force, in watts.", 7),
+)
+
 _EXPORTER_FAMILIES: Final = (
     _family(
         "zeus_exporter_evicted_series_total",

@@ -149,8 +149,9 @@ class Runtime:
             at this port while the runtime runs (``0``: any free port; the bound one is
             :attr:`prometheus_port`).
         prometheus_addr: Address it binds (default loopback; ``0.0.0.0`` for every interface).
-        prometheus_names: Its metric names: ``native`` (``zeus_gpu_power_watts``...) or
-            ``dcgm`` (dcgm-exporter's ``DCGM_FI_DEV_POWER_USAGE``... for the GPU series).
+        prometheus_names: Its metric names: ``native`` (``zeus_gpu_power_watts``...),
+            ``dcgm`` (dcgm-exporter's ``DCGM_FI_DEV_POWER_USAGE``... for the GPU series) or
+            ``amd`` (the AMD Device Metrics Exporter's ``gpu_package_power``...).
         otlp: Push the measurements to this OpenTelemetry OTLP/HTTP metrics endpoint
             (:mod:`zeus_async.exporters.otlp`; the ``otel`` extra), with the run metadata
             (``meta``: job, rank...) as resource attributes.

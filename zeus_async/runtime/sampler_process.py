@@ -83,7 +83,7 @@ class SamplerProcess:
         prometheus_port: Serve a Prometheus endpoint from the agent on this port (0: any
             free port; :attr:`prometheus_port` then says which).
         prometheus_addr: Address the Prometheus endpoint binds.
-        prometheus_names: Its metric names (``native`` or ``dcgm``).
+        prometheus_names: Its metric names (``native``, ``dcgm`` or ``amd``).
         otlp, otlp_interval_s: Push to an OpenTelemetry OTLP/HTTP endpoint from the agent.
         attach: The endpoint of a running agent to use instead of starting a private one
             (the sampling options above are then the agent's; only ``start_timeout_s``
