@@ -188,9 +188,7 @@ def test_ctrl_c_of_monitor_with_a_command_is_130_whoever_sees_it_first() -> None
 def test_monitor_falls_back_to_the_simulator_where_no_driver_is_and_says_so() -> None:
     proc = run_cli("monitor", "--duration", "0.5", "--quiet")
     assert proc.returncode == 0, proc.stderr
-    assert (
-        "backend sim (SIMULATED GPUs: no GPU driver on this machine), 4 device(s)" in proc.stdout
-    )
+    assert "backend sim (SIMULATED GPUs: no GPU driver on this machine), 4 device(s)" in proc.stdout
     assert proc.stderr == ""  # the banner says it: no warning line besides
 
 
