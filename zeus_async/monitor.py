@@ -287,8 +287,10 @@ class Monitor(ClosedOnExit):
             ``sim_config``, ``fields``, ...). By default only ``power_w`` and ``energy_j`` are
             sampled, at ``sample_period``: that is all windows need. ``adaptive_reads=True``
             skips the reads that can only repeat the last value (window energy unchanged).
-            With ``sampler='process'`` only ``fields``, ``sim_config`` and ``adaptive_reads``
-            apply.
+            ``power_scope="module"`` reads a Grace superchip's whole module (GPU + CPU +
+            memory; ``"gpu"`` by default, ``"auto"``: see :mod:`zeus_async.devices.nvml`).
+            With ``sampler='process'`` only ``fields``, ``sim_config``, ``adaptive_reads`` and
+            ``power_scope`` apply.
 
     The monitor starts at construction and stops at :meth:`close`, at exit of a ``with``
     block, or at interpreter exit. It pickles as its arguments: the process that unpickles it
@@ -439,7 +441,12 @@ class Monitor(ClosedOnExit):
         # Windows need power and energy only; other fields cost reads (pass ``fields`` for more).
         runtime_options.setdefault("fields", {"power_w": None, "energy_j": None})
         if args["sampler"] == "process":
-            unknown = set(runtime_options) - {"fields", "sim_config", "adaptive_reads"}
+            unknown = set(runtime_options) - {
+                "fields",
+                "sim_config",
+                "adaptive_reads",
+                "power_scope",
+            }
             if unknown:
                 raise ConfigError(
                     f"{', '.join(sorted(unknown))}: not available with sampler='process' "

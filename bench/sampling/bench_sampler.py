@@ -18,6 +18,12 @@ the window tracker accounts every sample), with no window open.
 ``--real`` runs the same rows on real GPUs (``--gpus`` of them) through the installed
 ``pynvml`` instead of the simulator.
 
+``--profile h100-580`` gives the simulator the NVML call costs measured on a real H100 (driver
+580.159.04: ``H100_DRIVER_580_COSTS``, an energy-counter read 3.84 ms of CPU) in place of
+``--latency``. ``--ours-only`` runs only our runtime, every tick and with adaptive reads, on
+``--gpus`` GPUs x ``--fields`` (``monitor``: ``power_w`` and ``energy_j``, what ``Monitor``
+samples by default), and prints its CPU per GPU.
+
 Run: ``bench/.venv/bin/python bench/sampling/bench_sampler.py`` (see bench/README.md for the venv).
 """
 
@@ -121,7 +127,12 @@ def worker(kind: str, gpus: int, period: float, duration: float, fields: str) ->
         from zeus_async.runtime import EmbeddedRuntime
 
         field_map: dict[str, float | None] | None
-        field_map = {"power_w": None} if fields == "power" else dict.fromkeys(GPU_FIELDS)
+        if fields == "power":
+            field_map = {"power_w": None}
+        elif fields == "monitor":  # Monitor's default: what windows need
+            field_map = {"power_w": None, "energy_j": None}
+        else:
+            field_map = dict.fromkeys(GPU_FIELDS)
         c0, w0 = _cpu_all_including_reaped(), time.perf_counter()
         rt = EmbeddedRuntime(
             backend="nvml",
@@ -173,31 +184,69 @@ def run_worker(
     fields: str,
     latency: float,
     real: bool = False,
+    profile: str = "none",
 ) -> dict[str, Any]:
     cmd = [python, __file__, "--worker", kind, "--gpus", str(gpus), "--period", str(period)]
     cmd += ["--duration", str(duration), "--fields", fields]
-    env = dict(os.environ) if real else {**os.environ, **_sim_env(gpus, latency)}
+    env = dict(os.environ) if real else {**os.environ, **_sim_env(gpus, latency, profile)}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"{kind} worker failed:\n{out.stderr[-4000:]}")
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def _sim_env(gpus: int, latency: float) -> dict[str, str]:
-    from zeus_async.devices.sim import SimConfig
+def _sim_env(gpus: int, latency: float, profile: str = "none") -> dict[str, str]:
+    from zeus_async.devices.sim_config import H100_DRIVER_580_COSTS, sim_preset
     from zeus_async.devices.sim_workload import RandomWorkload
     from zeus_async.testing.sim_pynvml import shim_env
 
+    costs: dict[str, float] = {"call_latency_s": latency}
+    if profile == "h100-580":
+        costs = dict(H100_DRIVER_580_COSTS)
     # Varying power (and a little noise) so Zeus's de-duplication of equal readings does not
     # make its job artificially cheap.
-    config = SimConfig(
+    config = sim_preset(
+        "nvidia",
         num_gpus=gpus,
-        call_latency_s=latency,
         seed=1,
         power_noise_w=3.0,
         workload=RandomWorkload(seg_min_s=0.05, seg_max_s=0.5),
+        **costs,
     )
     return shim_env(config)
+
+
+def _ours_only(py: str, args: argparse.Namespace) -> None:
+    """Our runtime alone, every tick and adaptive reads, on ``--gpus`` x ``--fields``."""
+    source = "real GPUs" if args.real else f"simulator, costs {args.profile}"
+    if not args.real and args.profile == "none":
+        source += f" (every call {args.latency * 1e6:g} us)"
+    print(
+        f"\nzeus_async Runtime CPU, {args.gpus} GPU(s) x {args.fields}, {args.duration:g} s at "
+        f"{1 / args.period:g} Hz, {source} (mean of {args.repeat})\n"
+    )
+    print("| reads | steady CPU s | per GPU, % of a core | reads kept | missed ticks |")
+    print("|---|---:|---:|---:|---:|")
+    for kind, label in (("ours", "every tick"), ("adaptive", "adaptive reads")):
+        runs = [
+            run_worker(
+                py,
+                kind,
+                args.gpus,
+                args.period,
+                args.duration,
+                args.fields,
+                args.latency,
+                args.real,
+                args.profile,
+            )
+            for _ in range(args.repeat)
+        ]
+        steady = sum(r["steady_cpu_s"] for r in runs) / len(runs)
+        kept = sum(r["samples"] for r in runs) / len(runs)
+        missed = sum(r.get("missed_ticks", 0) for r in runs) / len(runs)
+        share = steady / args.duration / args.gpus * 100
+        print(f"| {label} | {steady:.3f} | {share:.1f} % | {kept:.0f} | {missed:.0f} |")
 
 
 def main() -> None:
@@ -208,8 +257,20 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=4)
     parser.add_argument("--period", type=float, default=0.01)
     parser.add_argument("--duration", type=float, default=10.0)
-    parser.add_argument("--fields", choices=("power", "all"), default="power")
+    parser.add_argument("--fields", choices=("power", "monitor", "all"), default="power")
     parser.add_argument("--latency", type=float, default=10e-6, help="simulated NVML call cost")
+    parser.add_argument(
+        "--profile",
+        choices=("none", "h100-580"),
+        default="none",
+        help="simulated NVML call costs: --latency for every call (none), or those measured "
+        "on a real H100, driver 580 (h100-580: an energy read 3.84 ms)",
+    )
+    parser.add_argument(
+        "--ours-only",
+        action="store_true",
+        help="only our runtime (every tick, adaptive reads) on --gpus x --fields",
+    )
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
@@ -223,6 +284,9 @@ def main() -> None:
         print(json.dumps(res))
         return
     py = sys.executable
+    if args.ours_only:
+        _ours_only(py, args)
+        return
     # The simulator: 4 GPUs x power against Zeus, 8 GPUs x all fields for our cost alone. Real
     # GPUs: as many as there are (--gpus), both ways.
     small, big = (args.gpus, args.gpus) if args.real else (4, 8)

@@ -351,7 +351,10 @@ def _sim_gpus(sim_config: str | None) -> dict[str, _Settable]:
 
     config = load_sim_config(sim_config) if sim_config else SimConfig()
     node = SimNode(config)
-    return {g.uuid: g for g in node.gpus}
+    gpus: dict[str, _Settable] = {g.uuid: g for g in node.gpus}
+    # sim_amdsmi shows the same GPU's UUID without NVIDIA's "GPU-" prefix, as amdsmi does.
+    gpus.update({g.uuid.removeprefix("GPU-"): g for g in node.gpus})
+    return gpus
 
 
 def _nvml_gpus() -> tuple[dict[str, _Settable], Callable[[], None]]:
@@ -364,6 +367,38 @@ def _nvml_gpus() -> tuple[dict[str, _Settable], Callable[[], None]]:
             gpu.close()
 
     return {g.describe().uuid: g for g in gpus}, close
+
+
+def _amd_gpus() -> tuple[dict[str, _Settable], Callable[[], None]]:
+    from ..devices.amd import open_amd_gpus
+
+    gpus = open_amd_gpus(env={})  # every GPU of the node, whatever *_VISIBLE_DEVICES say
+
+    def close() -> None:
+        for gpu in gpus:
+            gpu.close()
+
+    return {g.describe().uuid: g for g in gpus}, close  # type: ignore[misc]
+
+
+def _real_gpus(backend: str) -> tuple[dict[str, _Settable], Callable[[], None]]:
+    """The GPUs of a real backend (``nvml``, ``amd``, or a mixed ``nvml+amd``) by UUID."""
+    gpus: dict[str, _Settable] = {}
+    closers: list[Callable[[], None]] = []
+
+    def close() -> None:
+        for c in closers:
+            c()
+
+    try:
+        for part in backend.split("+") or ["nvml"]:
+            found, closer = _amd_gpus() if part == "amd" else _nvml_gpus()
+            closers.append(closer)
+            gpus.update(found)
+    except BaseException:
+        close()
+        raise
+    return gpus, close
 
 
 class _Note(msgspec.Struct, kw_only=True):
@@ -559,7 +594,7 @@ def _restore_doc(doc: JournalDoc, restored: list[Restored], owner: int) -> list[
         if is_simulated(doc.backend):
             gpus = _sim_gpus(doc.sim_config)
         else:
-            gpus, close = _nvml_gpus()
+            gpus, close = _real_gpus(doc.backend)
     except Exception as exc:
         logger.error("cannot open the GPUs of dead process %d to restore them: %s", owner, exc)
         restored.extend(Restored(e, str(exc), owner) for e in doc.entries)

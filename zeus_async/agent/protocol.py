@@ -47,6 +47,8 @@ class AgentConfig(msgspec.Struct, frozen=True):
     period_s: float = 0.01
     fields: dict[str, float | None] | None = None
     adaptive_reads: bool = False
+    #: NVIDIA GPUs' power scope (``gpu``, ``module``, ``auto``: :mod:`zeus_async.devices.nvml`).
+    power_scope: str = "gpu"
     publish: str | None = None
     #: CURVE for ``publish``: the secret certificate file, and a directory of the client
     #: certificates allowed (``None``: any client that knows the public key).

@@ -764,6 +764,7 @@ async def _run_runtime(
         period_s=cfg.period_s,
         fields=cfg.fields,
         adaptive_reads=cfg.adaptive_reads,
+        power_scope=cfg.power_scope,
         publish=cfg.publish,
         publish_curve=_publish_curve(cfg),
         sim_config=sim_config,

@@ -19,6 +19,7 @@ from .common import (
     EXIT_ERROR,
     EXIT_OK,
     CliError,
+    add_power_scope_arg,
     backend_arg,
     describe_error,
     period,
@@ -52,6 +53,7 @@ def add_parsers(sub: Any) -> None:
         help="only restore the settings dead processes left changed, then exit",
     )
     agt.add_argument("--backend", type=backend_arg, default="auto", help=BACKEND_HELP)
+    add_power_scope_arg(agt)
     agt.add_argument("--period", type=period, default=0.01, help="sampling period (s, >= 0.001)")
     agt.add_argument("--adaptive", action="store_true", help="adaptive reads (see monitor)")
     agt.add_argument("--publish", metavar="ENDPOINT", help="also publish on a ZeroMQ endpoint")
@@ -190,6 +192,7 @@ def _agent(args: argparse.Namespace, out: TextIO) -> int:
             backend=args.backend,
             period_s=args.period,
             adaptive_reads=args.adaptive,
+            power_scope=args.power_scope,
             publish=args.publish,
             record=args.record,
             overwrite=args.force,

@@ -97,6 +97,22 @@ BACKEND_HELP = (
 )
 
 
+#: ``--power-scope``'s choices (:data:`zeus_async.devices.nvml.POWER_SCOPES`).
+POWER_SCOPE_CHOICES = ("gpu", "module", "auto")
+
+
+def add_power_scope_arg(parser: argparse.ArgumentParser) -> None:
+    """``--power-scope`` (NVIDIA GPUs' power scope; see :mod:`zeus_async.devices.nvml`)."""
+    parser.add_argument(
+        "--power-scope",
+        choices=POWER_SCOPE_CHOICES,
+        default="gpu",
+        help="NVIDIA power scope: gpu (the GPU alone, its energy counter), module (a Grace "
+        "superchip's GPU + CPU + memory, integrated power; refused on other GPUs) or auto "
+        "(gpu where answered, else module)",
+    )
+
+
 def int_list(text: str) -> list[int]:
     try:
         values = [int(part) for part in text.split(",") if part.strip() != ""]

@@ -28,6 +28,7 @@ from .common import (
     BACKEND_HELP,
     EXIT_OK,
     Command,
+    add_power_scope_arg,
     backend_arg,
     exit_status,
     int_list,
@@ -65,6 +66,7 @@ def add_parsers(sub: Any) -> None:
         "--duration, or the end of `-- COMMAND`). Without an NVIDIA GPU, simulated GPUs.",
     )
     mon.add_argument("--backend", type=backend_arg, default="auto", help=BACKEND_HELP)
+    add_power_scope_arg(mon)
     mon.add_argument("--gpus", type=int_list, default=None, help="GPU indices, e.g. 0,1")
     mon.add_argument("--cpus", choices=("auto", "none"), default="auto", help="RAPL packages")
     mon.add_argument("--period", type=period, default=0.01, help="sampling period (s, >= 0.001)")
@@ -225,13 +227,20 @@ def live_view(
 # -- the command ------------------------------------------------------------------------------
 
 
-def demo_sim_config() -> Any:
-    """The simulator setup ``monitor`` uses when none is given: busy, varied GPUs."""
-    from ..devices.sim import SimConfig
+def demo_sim_config(backend: str = "sim") -> Any:
+    """The simulator setup ``monitor`` uses when none is given: busy, varied GPUs (the
+    preset of the vendor a ``sim-<vendor>`` backend names, with noise in proportion)."""
+    from ..devices import SIM_VENDORS
+    from ..devices.sim_config import sim_preset
     from ..devices.sim_workload import RandomWorkload
 
-    return SimConfig(
-        workload=RandomWorkload(seg_min_s=0.3, seg_max_s=2.0), seed=7, power_noise_w=2.0
+    vendor = SIM_VENDORS.get(backend, "nvidia")
+    noise = 2.0 if vendor == "nvidia" else sim_preset(vendor).max_w / 350.0
+    return sim_preset(
+        vendor,
+        workload=RandomWorkload(seg_min_s=0.3, seg_max_s=2.0),
+        seed=7,
+        power_noise_w=noise,
     )
 
 
@@ -308,7 +317,7 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
 
     sim = sim_config(args.sim_config)
     if sim is None and not os.environ.get("ZEUS_ASYNC_SIM"):
-        sim = demo_sim_config()
+        sim = demo_sim_config(args.backend)
     publish_curve = server_curve_from_args(args, "--publish", args.publish)
     if args.record is not None:
         from ..store.outputs import claim_output
@@ -327,6 +336,7 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
             cpus="auto" if args.cpus == "auto" else None,
             period_s=args.period,
             adaptive_reads=args.adaptive,
+            power_scope=args.power_scope,
             publish=args.publish,
             publish_curve=publish_curve,
             sim_config=sim,
@@ -357,6 +367,13 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
             if is_simulated(backend):
                 why = ": no GPU driver on this machine" if args.backend == "auto" else ""
                 backend = f"{backend} (SIMULATED GPUs{why})"
+            scopes = sorted(
+                {d.describe().power_scope for d in rt.devices if d.describe().power_scope}
+            )
+            if scopes and scopes != ["gpu"]:  # say it where it is not the usual one
+                backend += f", {'/'.join(scopes)} power scope"
+                if "module" in scopes:
+                    backend += " (GPU + CPU + memory, integrated power)"
             title = (
                 f"backend {backend}, {len(rt.devices)} device(s), "
                 f"period {args.period * 1e3:g} ms{where}"

@@ -19,6 +19,7 @@ from .common import (
     BACKEND_HELP,
     CliError,
     Command,
+    add_power_scope_arg,
     backend_arg,
     exit_status,
     int_list,
@@ -358,6 +359,7 @@ def add_parsers(sub: Any) -> None:
     )
     add_client_curve_args(exp, what="the --connect endpoints")
     exp.add_argument("--backend", type=backend_arg, default="auto", help=BACKEND_HELP)
+    add_power_scope_arg(exp)
     exp.add_argument("--gpus", type=int_list, default=None, help="GPU indices, e.g. 0,1")
     exp.add_argument("--cpus", choices=("auto", "none"), default="auto", help="RAPL packages")
     exp.add_argument("--period", type=positive_float, default=0.1, help="sampling period (s)")
@@ -388,6 +390,7 @@ async def _exporter(args: argparse.Namespace, out: TextIO) -> int:
             cpus="auto" if args.cpus == "auto" else None,
             period_s=args.period,
             sim_config=sim_config(args.sim_config),
+            power_scope=args.power_scope,
             processes=tracking,
             prometheus_port=args.port,
             prometheus_addr=args.addr,

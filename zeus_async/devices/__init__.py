@@ -82,6 +82,7 @@ def open_devices(
     clock: Clock | None = None,
     sim_config: object | None = None,
     rapl_root: str | Path = "/sys/class/powercap",
+    power_scope: str = "gpu",
 ) -> OpenedDevices:
     """Open the GPUs (and CPU packages) to sample.
 
@@ -98,21 +99,43 @@ def open_devices(
         clock: Clock the simulator follows (``sim`` backend only).
         sim_config: A :class:`~zeus_async.devices.sim.SimConfig` for the ``sim`` backend.
         rapl_root: powercap root (tests point it at a fake tree).
+        power_scope: NVIDIA GPUs' power scope (:data:`~zeus_async.devices.nvml.POWER_SCOPES`):
+            ``gpu`` (default), ``module`` (Grace superchips: GPU + CPU + memory; a GPU that
+            does not answer it is a ``ConfigError``) or ``auto``; other vendors have one.
 
     Raises:
-        ConfigError: Unknown backend or bad indices.
+        ConfigError: Unknown backend or bad indices; a power scope no GPU opened can read.
         DriverNotLoadedError: ``backend="nvml"`` on a host without a driver.
     """
+    from .nvml import POWER_SCOPES, NvmlGpu
+
+    if power_scope not in POWER_SCOPES:
+        raise ConfigError(
+            f"unknown power scope {power_scope!r}; choose one of {', '.join(POWER_SCOPES)}"
+        )
     chosen = resolve_backend(backend)
     parts = chosen.split("+")
     if len(parts) == 1:
-        gpu_devices = _open_gpus(parts[0], gpus, 0, clock, sim_config)
+        gpu_devices = _open_gpus(parts[0], gpus, 0, clock, sim_config, power_scope)
     else:  # a mixed node: every GPU of each vendor, numbered in order; then the ones asked for
         every: list[Device] = []
         for part in parts:
-            every.extend(_open_gpus(part, None, len(every), clock, sim_config))
+            every.extend(_open_gpus(part, None, len(every), clock, sim_config, power_scope))
         gpu_devices = _select(every, gpus)
-    cpu_devices = _open_cpus(cpus, rapl_root)
+    from .jetson import JetsonGpu
+
+    if (
+        power_scope == "module"
+        and gpu_devices
+        and not any(isinstance(d, (NvmlGpu, JetsonGpu)) for d in gpu_devices)
+    ):
+        for d in gpu_devices:
+            d.close()
+        raise ConfigError(
+            f"power scope 'module' is NVML's (Grace superchips) and Jetson's (the module's "
+            f"input rail); backend {chosen} has neither: use power_scope='gpu'"
+        )
+    cpu_devices = _open_cpus(cpus, rapl_root, parts)
     return OpenedDevices(chosen, gpu_devices, cpu_devices)
 
 
@@ -142,6 +165,7 @@ def _open_gpus(
     first_index: int,
     clock: Clock | None,
     sim_config: object | None,
+    power_scope: str = "gpu",
 ) -> list[Device]:
     """The GPUs of one backend (``first_index``: the key of its first GPU on a mixed node)."""
     from . import nvml
@@ -157,7 +181,9 @@ def _open_gpus(
             from ..testing import sim_pynvml
 
             sim_pynvml.install(config=config, clock=clock)
-            return list(nvml.open_nvml_gpus(indices, pynvml_module=sim_pynvml))
+            return list(
+                nvml.open_nvml_gpus(indices, pynvml_module=sim_pynvml, power_scope=power_scope)
+            )
         if vendor == "amd":
             from ..testing import sim_amdsmi
             from .amd import open_amd_gpus
@@ -169,7 +195,11 @@ def _open_gpus(
             from .jetson import open_jetson_gpus
 
             fs = sim_jetson.install(config=config, clock=clock)
-            return list(open_jetson_gpus(indices, fs=fs, first_index=first_index))
+            return list(
+                open_jetson_gpus(
+                    indices, fs=fs, first_index=first_index, power_scope=_jetson_scope(power_scope)
+                )
+            )
         if vendor == "apple":
             from ..testing import sim_ioreport
             from .apple import open_apple_gpus
@@ -180,7 +210,7 @@ def _open_gpus(
     if backend == "nvml":
         if first_index:
             raise ConfigError("NVIDIA GPUs come first on a mixed node (nvml+...)")
-        return list(nvml.open_nvml_gpus(indices))
+        return list(nvml.open_nvml_gpus(indices, power_scope=power_scope))
     if backend == "amd":
         from .amd import open_amd_gpus
 
@@ -188,7 +218,11 @@ def _open_gpus(
     if backend == "jetson":
         from .jetson import open_jetson_gpus
 
-        return list(open_jetson_gpus(indices, first_index=first_index))
+        return list(
+            open_jetson_gpus(
+                indices, first_index=first_index, power_scope=_jetson_scope(power_scope)
+            )
+        )
     if backend == "apple":
         from .apple import open_apple_gpus
 
@@ -310,11 +344,32 @@ def resolve_backend(backend: str) -> str:
     return chosen
 
 
-def _open_cpus(cpus: Sequence[int] | Literal["auto"] | None, root: str | Path) -> list[Device]:
+def _jetson_scope(power_scope: str) -> str | None:
+    """The Jetson backend's scope for ``power_scope``: ``None`` (its default, or
+    ``ZEUS_ASYNC_JETSON_SCOPE``) unless one was asked for."""
+    return None if power_scope == "gpu" else power_scope
+
+
+def _open_cpus(
+    cpus: Sequence[int] | Literal["auto"] | None, root: str | Path, backends: Sequence[str] = ()
+) -> list[Device]:
+    """The CPU packages: RAPL, or on Apple Silicon (``apple``/``sim-apple`` among
+    ``backends``) the chip's CPU/DRAM/SoC counters, which stand in for RAPL there."""
     from . import rapl
 
     if cpus is None or (not isinstance(cpus, str) and len(cpus) == 0):
         return []
+    apple = next((b for b in backends if b in ("apple", "sim-apple")), None)
+    if apple is not None:
+        from .apple import open_apple_cpus
+
+        source = None
+        if apple == "sim-apple":
+            from ..testing import sim_ioreport
+
+            source = sim_ioreport
+        packages = None if cpus == "auto" else list(cpus)
+        return list(open_apple_cpus(packages, source=source))
     if cpus == "auto":
         try:
             return list(rapl.open_rapl_packages(root))

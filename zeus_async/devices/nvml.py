@@ -21,6 +21,17 @@ Reading (:meth:`NvmlGpu.read`, the hot path: 100 Hz x 8 GPUs):
   that field ``None`` for this tick, unless every field failed, which raises the mapped error.
 * Read plans (which field ids, which getters) are precomputed per requested field set.
 
+Power scope (``power_scope``, :data:`POWER_SCOPES`): NVML reports power per scope, the GPU
+(``NVML_POWER_SCOPE_GPU``, every GPU) and, on Grace superchips (GH200, GB200), the whole module
+(``NVML_POWER_SCOPE_MODULE``: GPU + Grace CPU + memory). ``gpu`` (the default) reads the GPU
+scope, as above. ``module`` reads both power fields in the MODULE scope, and no per-call
+fallback (those are GPU-scope); the energy counter is the GPU's, so it is not read and window
+energy integrates the module power (``energy_method`` ``integrated-power``); a GPU that does not
+answer the MODULE scope is a :class:`~zeus_async.errors.ConfigError` at open. ``auto`` reads the
+GPU scope where the GPU answers it and the MODULE scope where only that one is answered (some
+C2C superchips, as Zeus found), with a WARNING. :meth:`NvmlGpu.describe` says which
+(``DeviceInfo.power_scope``).
+
 ``CUDA_VISIBLE_DEVICES`` is honoured here, not by NVML: logical index ``i`` (key ``gpu:<i>``) is
 the i-th visible GPU. Error handling: :func:`map_nvml_error` turns every ``NVMLError`` into the
 package's typed errors.
@@ -54,6 +65,7 @@ from .base import GPU_FIELDS, GpuProcesses
 from .nvml_visible import parse_cuda_visible_devices
 
 __all__ = [
+    "POWER_SCOPES",
     "NvmlGpu",
     "map_nvml_error",
     "nvml_available",
@@ -96,6 +108,11 @@ PRIVILEGE_HINT: Final = (
     "privileged helper do it; `sudo nvidia-smi -pm 1` (persistence mode) keeps the settings "
     "between processes"
 )
+
+#: The power scopes a caller may ask for (see the module docstring).
+POWER_SCOPES: Final = ("gpu", "module", "auto")
+#: ``DeviceInfo.energy_note`` in the MODULE scope.
+MODULE_ENERGY_NOTE: Final = "MODULE scope (GPU + CPU + memory): integrated power"
 
 # nvmlValue_t member for each NVML_VALUE_TYPE_* (0..6).
 _VALUE_ATTRS: Final = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
@@ -195,6 +212,10 @@ class NvmlGpu:
         index: Logical index (after ``CUDA_VISIBLE_DEVICES``).
         physical_index: NVML index.
         session: Shared NVML initialization, released by :meth:`close`.
+        power_scope: ``gpu``, ``module`` or ``auto`` (see the module docstring).
+
+    Raises:
+        ConfigError: An unknown power scope, or ``module`` on a GPU that does not answer it.
     """
 
     def __init__(
@@ -205,7 +226,13 @@ class NvmlGpu:
         physical_index: int,
         *,
         session: _Session | None = None,
+        power_scope: str = "gpu",
     ) -> None:
+        if power_scope not in POWER_SCOPES:
+            raise ConfigError(
+                f"unknown power scope {power_scope!r}; choose one of {', '.join(POWER_SCOPES)}"
+            )
+        self._requested_scope = power_scope
         self._nv = nv
         self._handle = handle
         self._index = index
@@ -219,7 +246,14 @@ class NvmlGpu:
         self._plans: dict[Collection[str], _Plan] = {}
         self._unsupported: set[str] = set()  # fields the device cannot read at all
         self._no_field_value: set[str] = set()  # fields whose field id the driver rejected
-        scope = getattr(nv, "NVML_POWER_SCOPE_GPU", 0)
+        self._use_temperature_v = hasattr(nv, "nvmlDeviceGetTemperatureV")
+        self._info = self._describe()  # resolves the power scope too
+        self._module = self._info.power_scope == "module"
+        scope = (
+            getattr(nv, "NVML_POWER_SCOPE_MODULE", 1)
+            if self._module
+            else getattr(nv, "NVML_POWER_SCOPE_GPU", 0)
+        )
         ids = {
             "power_w": getattr(nv, "NVML_FI_DEV_POWER_INSTANT", None),
             "avg_power_w": getattr(nv, "NVML_FI_DEV_POWER_AVERAGE", None),
@@ -230,9 +264,7 @@ class NvmlGpu:
             for name, fid in ids.items()
             if fid is not None
         }
-        self._use_temperature_v = hasattr(nv, "nvmlDeviceGetTemperatureV")
-        self._info = self._describe()
-        if not self._info.has_energy_counter:
+        if not self._info.has_energy_counter:  # none, or the GPU's under the MODULE scope
             self._unsupported.add("energy_j")
         if self._arch is None or (self._arch >= _AMPERE and not _GA100.search(self._info.name)):
             self._power_usage_field = "avg_power_w"  # documented as a 1 s average here
@@ -245,15 +277,17 @@ class NvmlGpu:
             "utilization_frac": self._read_utilization,
             "memory_used_bytes": self._read_memory_used,
             "power_limit_w": self._read_power_limit,
-            self._power_usage_field: self._read_power_usage,
         }
+        if not self._module:  # nvmlDeviceGetPowerUsage is the GPU scope's
+            self._getters[self._power_usage_field] = self._read_power_usage
         self.read(GPU_FIELDS, "", 0)  # probe: learn which fields this device supports
         self._fields = tuple(f for f in GPU_FIELDS if f not in self._unsupported)
         logger.info(
-            "%s (%s): power_w from %s",
+            "%s (%s): power_w from %s, %s power scope",
             self._key,
             self._info.name,
             self.power_source or "nowhere (no instant reading; avg_power_w only)",
+            self._info.power_scope,
         )
 
     # -- static facts -----------------------------------------------------------------------
@@ -275,6 +309,7 @@ class NvmlGpu:
         nv = self._nv
         name = str(self._call("reading the name", nv.nvmlDeviceGetName))
         uuid = str(self._call("reading the UUID", nv.nvmlDeviceGetUUID))
+        power_scope = self._resolve_scope(name)
         arch = self._optional("reading the architecture", nv.nvmlDeviceGetArchitecture)
         self._arch: int | None = arch
         has_counter = False
@@ -300,6 +335,10 @@ class NvmlGpu:
             )
             clocks = sorted((c * 1e6 for c in sm or ()), reverse=True)
         self._sm_clocks_hz = clocks
+        gpu_counter = has_counter
+        note = "" if has_counter else "no energy counter before Volta: integrated power"
+        if power_scope == "module":  # the counter is the GPU's: not the scope read
+            has_counter, note = False, MODULE_ENERGY_NOTE
         return DeviceInfo(
             key=self._key,
             name=name,
@@ -313,15 +352,67 @@ class NvmlGpu:
             index=self.physical_index,
             vendor="nvidia",
             energy_method="counter" if has_counter else "integrated-power",
-            energy_note="" if has_counter else "no energy counter before Volta: integrated power",
+            energy_note=note,
             capabilities=Capabilities(
-                energy_counter=has_counter,
+                energy_counter=gpu_counter,
                 power_cap=limits is not None,
                 clocks=bool(clocks),
                 per_process=True,
             ),
-            power_scope="gpu",
+            power_scope=power_scope,
         )
+
+    def _scope_refusal(self, scope: str) -> str | None:
+        """Why this GPU does not answer the power fields in NVML's ``scope`` power scope
+        (``GPU``, ``MODULE``); ``None`` when it answers one of them. A lost GPU raises."""
+        nv = self._nv
+        instant = getattr(nv, "NVML_FI_DEV_POWER_INSTANT", None)
+        average = getattr(nv, "NVML_FI_DEV_POWER_AVERAGE", None)
+        scope_id = getattr(nv, f"NVML_POWER_SCOPE_{scope}", None)
+        if instant is None or average is None or scope_id is None:
+            return "this nvidia-ml-py has no power scopes"
+        try:
+            values = nv.nvmlDeviceGetFieldValues(
+                self._handle, [(instant, scope_id), (average, scope_id)]
+            )
+        except self._error as exc:
+            if _code(exc) in _FATAL_CODES:
+                raise map_nvml_error(exc, self._key, f"probing the {scope} power scope") from None
+            return str(exc)
+        codes = [int(v.nvmlReturn) for v in values]
+        if 0 in codes:
+            return None
+        try:
+            return str(self._error(codes[0]))
+        except Exception:  # an unknown code
+            return f"NVML error {codes[0]}"
+
+    def _resolve_scope(self, name: str) -> str:
+        """The power scope to read (``gpu`` or ``module``) for the one asked for."""
+        asked = self._requested_scope
+        if asked == "gpu":
+            return "gpu"
+        where = f"{self._key} ({name}, NVML index {self.physical_index})"
+        module_refused = self._scope_refusal("MODULE")
+        if asked == "module":
+            if module_refused is not None:
+                raise ConfigError(
+                    f"{where} does not answer NVML's MODULE power scope "
+                    f"(NVML_POWER_SCOPE_MODULE: {module_refused}); only Grace superchips "
+                    "(GH200, GB200) report module power (GPU + CPU + memory): use "
+                    "power_scope='gpu'"
+                )
+            return "module"
+        gpu_refused = self._scope_refusal("GPU")
+        if gpu_refused is not None and module_refused is None:
+            logger.warning(
+                "%s does not answer the GPU power scope (%s) but the MODULE one: reading "
+                "module power (GPU + CPU + memory)",
+                where,
+                gpu_refused,
+            )
+            return "module"
+        return "gpu"
 
     @property
     def key(self) -> str:
@@ -348,7 +439,9 @@ class NvmlGpu:
         if "power_w" in self._unsupported:
             return None
         if "power_w" in self._field_ids and "power_w" not in self._no_field_value:
-            return "NVML_FI_DEV_POWER_INSTANT"
+            return "NVML_FI_DEV_POWER_INSTANT" + (" (MODULE scope)" if self._module else "")
+        if self._module:
+            return None
         if self._power_usage_field == "power_w":
             return "nvmlDeviceGetPowerUsage"
         return None
@@ -603,6 +696,7 @@ def open_nvml_gpus(
     *,
     pynvml_module: ModuleType | None = None,
     env: Mapping[str, str] | None = None,
+    power_scope: str = "gpu",
 ) -> list[NvmlGpu]:
     """Open GPUs through NVML, honouring ``CUDA_VISIBLE_DEVICES``.
 
@@ -610,10 +704,13 @@ def open_nvml_gpus(
         indices: Logical indices (positions among the visible GPUs); ``None`` = all visible.
         pynvml_module: The pynvml module to use (default: ``import pynvml`` now).
         env: Environment to read ``CUDA_VISIBLE_DEVICES`` from (default ``os.environ``).
+        power_scope: ``gpu`` (default), ``module`` (Grace superchips: GPU + CPU + memory) or
+            ``auto`` (see the module docstring).
 
     Raises:
         DriverNotLoadedError: No NVML library or driver.
-        ConfigError: An index out of range, repeated, or a MIG device in ``CUDA_VISIBLE_DEVICES``.
+        ConfigError: An index out of range, repeated, or a MIG device in ``CUDA_VISIBLE_DEVICES``;
+            an unknown power scope, or ``module`` on a GPU that does not answer it.
         DeviceError: A GPU failed while opening (e.g. ``DeviceLostError``).
     """
     nv = pynvml_module if pynvml_module is not None else _import_pynvml()
@@ -635,7 +732,9 @@ def open_nvml_gpus(
                 handle = nv.nvmlDeviceGetHandleByIndex(visible[i])
             except nv.NVMLError as exc:
                 raise map_nvml_error(exc, f"gpu:{i}", "opening") from None
-            gpus.append(NvmlGpu(nv, handle, i, visible[i], session=session))
+            gpus.append(
+                NvmlGpu(nv, handle, i, visible[i], session=session, power_scope=power_scope)
+            )
     except BaseException:
         for gpu in gpus:
             gpu.close()

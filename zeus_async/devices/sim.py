@@ -67,6 +67,7 @@ from .sim_config import (
     ArchName,
     Feature,
     GpuOverride,
+    GraceSim,
     PowerReading,
     SimConfig,
     load_sim_config,
@@ -249,6 +250,12 @@ class SimGpu:
             raise ConfigError(f"gpu {index}: idle_w must be below max_w")
         mbf = ov.memory_bound_frac
         self.memory_bound_frac: float = cfg.memory_bound_frac if mbf is None else mbf
+        #: The Grace CPU and memory of this GPU's module (``None``: not a superchip).
+        self.grace: GraceSim | None = cfg.grace
+        self._grace_factor = 1.0
+        if cfg.grace is not None and cfg.grace.load_spread:
+            u = stable_hash(cfg.seed, index, "grace-load") / 2.0**64
+            self._grace_factor = 1.0 - cfg.grace.load_spread * u
         hi, lo = stable_hash(cfg.seed, index, "uuid-hi"), stable_hash(cfg.seed, index, "uuid-lo")
         # Marked as simulated in its own identity (GPU-...-515151515151), so that a UUID that
         # reaches a dashboard or a log says what it is.
@@ -512,6 +519,38 @@ class SimGpu:
         self.node._maybe_poll()
         return self._walk(True, t0_ns, t1_ns)
 
+    def module_energy_j(self, t0_ns: int, t1_ns: int) -> float:
+        """Exact energy (J) the whole module (GPU + Grace CPU + memory) drew over
+        ``[t0_ns, t1_ns]``; raises ``ConfigError`` on a GPU that is not a superchip."""
+        self.node._maybe_poll()
+        return self._walk(True, t0_ns, t1_ns) + self._grace_j(t0_ns, t1_ns)
+
+    def module_power_w(self, t_ns: int) -> float:
+        """True power of the whole module at ``t_ns``."""
+        g = self._grace()
+        table, i = self._segment(t_ns)
+        load = min(1.0, table.utils[i] * self._grace_factor) if g.cpu_load == "gpu" else g.cpu_load
+        idle = g.cpu_idle_w + g.memory_idle_w
+        dyn = g.cpu_max_w - g.cpu_idle_w + g.memory_max_w - g.memory_idle_w
+        return table.power[i] + idle + dyn * load
+
+    def _grace(self) -> GraceSim:
+        if self.grace is None:
+            raise ConfigError(f"gpu {self.index} is not a Grace superchip (SimConfig.grace)")
+        return self.grace
+
+    def _grace_j(self, t0_ns: int, t1_ns: int) -> float:
+        """Energy (J) of the Grace CPU and memory over ``[t0_ns, t1_ns]`` (signed)."""
+        g = self._grace()
+        seconds = (t1_ns - t0_ns) / NS
+        if g.cpu_load == "gpu":  # utils are within 0..1 and the factor <= 1: no clamping
+            load_s = self._walk(False, t0_ns, t1_ns) * self._grace_factor
+        else:
+            load_s = g.cpu_load * seconds
+        idle = g.cpu_idle_w + g.memory_idle_w
+        dyn = g.cpu_max_w - g.cpu_idle_w + g.memory_max_w - g.memory_idle_w
+        return idle * seconds + dyn * load_s
+
     def mean_util(self, t0_ns: int, t1_ns: int) -> float:
         """Mean utilization over ``[t0_ns, t1_ns)``."""
         self.node._maybe_poll()
@@ -588,6 +627,38 @@ class SimGpu:
         e = self._walk(True, end - node.average_window_ns, end)
         mw = self._noisy(round(e * 1000.0 * NS / node.average_window_ns), "average", end)
         self._memo["average"] = (end, mw)
+        return mw
+
+    def instant_module_mw(self, t_ns: int) -> int:
+        """MODULE scope (GPU + CPU + memory) of :meth:`instant_field_mw`: the mean module power
+        over the same window (the 1 s average with ``power_reading="average_only"``)."""
+        node = self.node
+        if self.power_reading == "average_only":
+            return self.average_module_mw(t_ns)
+        start = self.grid_floor_ns(t_ns, node.instant_period_ns) - node.instant_period_ns
+        memo = self._memo.get("instant_module")
+        if memo is not None and memo[0] == start:
+            return memo[1]
+        self._observe(start + node.instant_window_ns)
+        end = start + node.instant_window_ns
+        e = self._walk(True, start, end) + self._grace_j(start, end)
+        mw = self._noisy(round(e * 1000.0 * NS / node.instant_window_ns), "instant_module", start)
+        self._memo["instant_module"] = (start, mw)
+        return mw
+
+    def average_module_mw(self, t_ns: int) -> int:
+        """MODULE scope of :meth:`average_power_mw`: mean module power over the averaging
+        window ending at its last refresh."""
+        node = self.node
+        end = self.grid_floor_ns(t_ns, node.average_period_ns)
+        memo = self._memo.get("average_module")
+        if memo is not None and memo[0] == end:
+            return memo[1]
+        self._observe(end)
+        start = end - node.average_window_ns
+        e = self._walk(True, start, end) + self._grace_j(start, end)
+        mw = self._noisy(round(e * 1000.0 * NS / node.average_window_ns), "average_module", end)
+        self._memo["average_module"] = (end, mw)
         return mw
 
     def power_usage_mw(self, t_ns: int) -> int:
@@ -677,6 +748,11 @@ class SimNode:
         self.average_window_ns = round(cfg.average_window_s * NS)
         self.average_period_ns = round(cfg.average_period_s * NS)
         self._latency_ns = round(cfg.call_latency_s * NS)
+        #: Extra CPU a read of the energy counter / of the power limit burns (ns).
+        self.energy_latency_ns = round(cfg.energy_call_latency_s * NS)
+        self.limit_read_latency_ns = round(cfg.power_limit_call_latency_s * NS)
+        #: How long after a clock lock returns the SM clock reaches the locked value (ns).
+        self.clock_settle_ns = round(cfg.clock_settle_s * NS)
         self._state_file: NodeStateFile | None = (
             NodeStateFile(cfg) if shared_state and cfg.num_gpus else None
         )
@@ -782,13 +858,24 @@ class SimNode:
         least 2 KiB does the same: CPython's hashlib releases the GIL for it and burns CPU.
         """
         if self._latency_ns:
-            end = time.perf_counter_ns() + self._latency_ns
+            self.burn(self._latency_ns)
+
+    @staticmethod
+    def burn(ns: int) -> None:
+        """Burn ``ns`` of CPU without holding the GIL (see :meth:`spin`)."""
+        if ns > 0:
+            end = time.perf_counter_ns() + ns
             while time.perf_counter_ns() < end:
                 hashlib.sha1(_SPIN_CHUNK)
 
     def truth_energy_j(self, gpu: int, t0_ns: int, t1_ns: int) -> float:
         """Exact energy (J) drawn by GPU ``gpu`` over ``[t0_ns, t1_ns]``."""
         return self.gpus[gpu].energy_j(t0_ns, t1_ns)
+
+    def truth_module_energy_j(self, gpu: int, t0_ns: int, t1_ns: int) -> float:
+        """Exact energy (J) drawn by GPU ``gpu``'s whole module (GPU + Grace CPU + memory) over
+        ``[t0_ns, t1_ns]`` (what the MODULE power scope measures; ``SimConfig.grace`` set)."""
+        return self.gpus[gpu].module_energy_j(t0_ns, t1_ns)
 
     def truth_power_w(self, gpu: int, t_ns: int) -> float:
         """Exact power (W) of GPU ``gpu`` at ``t_ns``."""

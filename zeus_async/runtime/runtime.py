@@ -122,6 +122,10 @@ class Runtime:
         publish_curve: CURVE server keys for the ``publish`` endpoint
             (:func:`~zeus_async.bus.curve.load_server_keys`).
         sim_config: Simulator settings for the ``sim`` backend.
+        power_scope: NVIDIA GPUs' power scope: ``gpu`` (default), ``module`` (Grace
+            superchips: GPU + CPU + memory, integrated) or ``auto``
+            (:mod:`~zeus_async.devices.nvml`); each device's ``DeviceInfo.power_scope`` says
+            which it reads.
         shutdown_timeout_s: Bound on the orderly shutdown (draining consumers, flushing).
         consumers: Coroutine functions started (see :meth:`start_consumer`) before the first
             event is published, so they see the whole stream.
@@ -175,6 +179,7 @@ class Runtime:
         publish: str | Any | None = None,
         publish_curve: CurveServerKeys | None = None,
         sim_config: object | None = None,
+        power_scope: str = "gpu",
         shutdown_timeout_s: float = 2.0,
         rapl_root: str = "/sys/class/powercap",
         consumers: Sequence[Consumer] = (),
@@ -213,6 +218,7 @@ class Runtime:
             raise ConfigError("publish_curve needs publish= an endpoint to bind")
         self._publish_curve = publish_curve
         self._sim_config = sim_config
+        self._power_scope = power_scope
         self._shutdown_timeout_s = shutdown_timeout_s
         self._rapl_root = rapl_root
         self.stream_id = uuid.uuid4().hex
@@ -396,6 +402,7 @@ class Runtime:
             clock=self.clock,
             sim_config=self._sim_config,
             rapl_root=self._rapl_root,
+            power_scope=self._power_scope,
         )
         self.backend = opened.backend
         self.devices = opened.all

@@ -75,6 +75,8 @@ class SamplerProcess:
             :class:`~zeus_async.runtime.Runtime`.
         log_file: Window log written by the agent (CSV or JSON lines).
         sim_config: A :class:`~zeus_async.devices.sim.SimConfig` for the ``sim`` backend.
+        power_scope: NVIDIA GPUs' power scope (``gpu``, ``module``, ``auto``), as for
+            :class:`~zeus_async.runtime.Runtime`.
         start_timeout_s: How long to wait for the agent to be sampling.
         record: Recording file written by the agent (every event, lossless).
         processes: Process tracking; by default the tree of *this* (the parent) process,
@@ -111,6 +113,7 @@ class SamplerProcess:
         log_file: str | os.PathLike[str] | None = None,
         finalize_timeout_s: float = 0.5,
         sim_config: object | None = None,
+        power_scope: str = "gpu",
         start_timeout_s: float = 60.0,
         record: str | os.PathLike[str] | None = None,
         overwrite: bool = False,
@@ -182,6 +185,7 @@ class SamplerProcess:
                 period_s=period_s,
                 fields=dict(fields) if fields is not None else None,
                 adaptive_reads=adaptive_reads,
+                power_scope=power_scope,
                 publish=publish,
                 log_file=os.fspath(log_file) if log_file is not None else None,
                 finalize_timeout_s=finalize_timeout_s,

@@ -1,11 +1,13 @@
 """A job that changes hardware settings, for restore tests and benchmarks.
 
 ``python -m zeus_async.testing.restore_job [--record PATH] [--thread] [--print-windows]
-[--backend nvml]``: opens a :class:`~zeus_async.Monitor` on the node simulated by
+[--backend nvml|sim-amd|amd]``: opens a :class:`~zeus_async.Monitor` on the node simulated by
 ``ZEUS_ASYNC_SIM`` (or, with ``--backend nvml``, on the GPUs NVML shows: a real GPU, as
 ``bench/hardware/bench_real_restore.py`` runs it), caps every GPU's power
-limit to its minimum and locks GPU 0's SM clock (the two settings the optimizers change),
-prints ``capped <agent pid>`` and then measures one window after another until it is stopped.
+limit to its minimum and locks GPU 0's SM clock (the two settings the optimizers change; not
+the clock where the device's capabilities say clocks cannot be locked, as on AMD: ``--backend
+sim-amd``, the simulator beneath amdsmi), prints ``capped <agent pid>`` and then measures one
+window after another until it is stopped.
 The test or benchmark stops it one way or another and reads the node's state from outside.
 """
 
@@ -23,7 +25,7 @@ logger = logging.getLogger(__name__)
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--record", default=None)
-    parser.add_argument("--backend", default="sim", choices=("sim", "nvml"))
+    parser.add_argument("--backend", default="sim", choices=("sim", "sim-amd", "nvml", "amd"))
     parser.add_argument("--thread", action="store_true", help="sampler='thread'")
     parser.add_argument(
         "--print-windows", action="store_true", help="wait for each window, print its energy"
@@ -38,7 +40,9 @@ def main() -> None:
     )
     lowest = min(d.power_limit_min_w or 0.0 for d in monitor.gpu_devices)
     monitor.set_power_limit(lowest, source="restore_job").result(timeout=30)
-    monitor.set_sm_clocks(990, [0], source="restore_job").result(timeout=30)
+    caps = monitor.gpu_devices[0].capabilities if monitor.gpu_devices else None
+    if caps is None or caps.clocks:  # AMD GPUs: power caps only
+        monitor.set_sm_clocks(990, [0], source="restore_job").result(timeout=30)
     agent = monitor._process._proc.pid if monitor._process and monitor._process._proc else 0
     print(f"capped {agent}", flush=True)  # noqa: T201
     while True:

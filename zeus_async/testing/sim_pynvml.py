@@ -301,9 +301,11 @@ def nvmlDeviceGetCudaComputeCapability(handle: Handle) -> tuple[int, int]:
 
 
 def nvmlDeviceGetC2cModeInfoV(handle: Handle) -> Any:
-    """Simulated GPUs are not Grace Hopper superchips: NOT_SUPPORTED."""
-    _gpu(handle)
-    raise NVMLError(_b.NOT_SUPPORTED)
+    """C2C enabled on a Grace superchip (``SimConfig.grace``); NOT_SUPPORTED on other GPUs."""
+    gpu = _gpu(handle)[1]
+    if gpu.grace is None:
+        raise NVMLError(_b.NOT_SUPPORTED)
+    return _src.c_nvmlC2cModeInfo_v1_t(isC2cEnabled=1)
 
 
 nvmlDeviceGetC2cModeInfoV1 = nvmlDeviceGetC2cModeInfoV
@@ -328,8 +330,11 @@ def nvmlDeviceGetPowerUsage(handle: Handle) -> int:
 
 
 def nvmlDeviceGetTotalEnergyConsumption(handle: Handle) -> int:
-    """Energy (mJ) since the counter origin; NOT_SUPPORTED before Volta."""
-    _, gpu, now = _gpu(handle)
+    """Energy (mJ) since the counter origin; NOT_SUPPORTED before Volta. Burns
+    ``energy_call_latency_s`` of CPU (the GPU's counter: never the MODULE scope's)."""
+    node, gpu, _ = _gpu(handle)
+    node.burn(node.energy_latency_ns)
+    now = node.now_ns()
     if not gpu.has_energy_counter:
         raise NVMLError(_b.NOT_SUPPORTED)
     return gpu.energy_counter_mj(now)
@@ -351,6 +356,8 @@ def _field(node: SimNode, gpu: SimGpu, now: int, fid: int, scope: int) -> tuple[
                 return _b.NOT_SUPPORTED, 0, 0, 0
             ts = gpu.grid_floor_ns(now, node.average_period_ns)
             return 0, _b.VT_UINT, gpu.memory_power_mw(now), ts
+        if scope == _b.SCOPE_MODULE and fid in (_b.FI_POWER_INSTANT, _b.FI_POWER_AVERAGE):
+            return _module_field(node, gpu, now, fid)
         if scope != _b.SCOPE_GPU:
             return _b.NOT_SUPPORTED, 0, 0, 0
     if fid == _b.FI_POWER_INSTANT:
@@ -384,10 +391,40 @@ def _field(node: SimNode, gpu: SimGpu, now: int, fid: int, scope: int) -> tuple[
     return _b.NOT_SUPPORTED, 0, 0, 0
 
 
+def _module_field(node: SimNode, gpu: SimGpu, now: int, fid: int) -> tuple[int, int, int, int]:
+    """A power field in the MODULE scope (GPU + Grace CPU + memory): answered on a Grace
+    superchip only, on the GPU scope's grids."""
+    if gpu.grace is None:
+        return _b.NOT_SUPPORTED, 0, 0, 0
+    if fid == _b.FI_POWER_INSTANT:
+        if "instant_power" in gpu.unsupported:
+            return _b.NOT_SUPPORTED, 0, 0, 0
+        average_only = gpu.power_reading == "average_only"
+        period = node.average_period_ns if average_only else node.instant_period_ns
+        return 0, _b.VT_UINT, gpu.instant_module_mw(now), gpu.grid_floor_ns(now, period)
+    if "average_power" in gpu.unsupported or gpu.power_reading == "instant":
+        return _b.NOT_SUPPORTED, 0, 0, 0
+    ts = gpu.grid_floor_ns(now, node.average_period_ns)
+    return 0, _b.VT_UINT, gpu.average_module_mw(now), ts
+
+
+def _field_id(field: Any) -> int:
+    try:
+        return int(field[0])
+    except TypeError:
+        return int(field)
+
+
 def nvmlDeviceGetFieldValues(handle: Handle, fieldIds: Sequence[Any]) -> Any:
-    """Field values; ids are ints or ``(fieldId, scopeId)``. Unknown fields: NOT_SUPPORTED."""
-    node, gpu, now = _gpu(handle)
+    """Field values; ids are ints or ``(fieldId, scopeId)``. Unknown fields: NOT_SUPPORTED.
+    A call that asks for the energy counter burns ``energy_call_latency_s`` of CPU once."""
+    node, gpu, _ = _gpu(handle)
     _need(gpu, "field_values")
+    if node.energy_latency_ns and any(
+        _field_id(f) in (_b.FI_TOTAL_ENERGY, _b.FI_ENERGY) for f in fieldIds
+    ):
+        node.burn(node.energy_latency_ns)
+    now = node.now_ns()
     values = (_src.c_nvmlFieldValue_t * len(fieldIds))()
     for i, field in enumerate(fieldIds):
         out = values[i]
@@ -408,12 +445,18 @@ def nvmlDeviceGetFieldValues(handle: Handle, fieldIds: Sequence[Any]) -> Any:
 
 
 def nvmlDeviceGetPowerManagementLimit(handle: Handle) -> int:
-    gpu = _gpu(handle)[1]
+    """The power limit (mW); burns ``power_limit_call_latency_s`` of CPU."""
+    node, gpu, _ = _gpu(handle)
+    node.burn(node.limit_read_latency_ns)
     _need(gpu, "power_limit")
     return round(gpu.power_limit_w * 1000)
 
 
-nvmlDeviceGetEnforcedPowerLimit = nvmlDeviceGetPowerManagementLimit
+def nvmlDeviceGetEnforcedPowerLimit(handle: Handle) -> int:
+    """The power limit in force (mW)."""
+    gpu = _gpu(handle)[1]
+    _need(gpu, "power_limit")
+    return round(gpu.power_limit_w * 1000)
 
 
 def nvmlDeviceGetPowerManagementDefaultLimit(handle: Handle) -> int:
@@ -437,6 +480,10 @@ def nvmlDeviceSetPowerManagementLimit(handle: Handle, limit: int) -> None:
     cfg = node.config
     if not round(cfg.power_limit_min_w * 1000) <= limit <= round(cfg.power_limit_max_w * 1000):
         raise NVMLError(_b.INVALID_ARGUMENT)
+    latency = cfg.set_power_limit_latency_s
+    if latency > 0:  # the driver takes a while: the limit is in force when the call returns
+        time.sleep(latency)
+        now = node.now_ns()
     gpu.set_power_limit_w(limit / 1000.0, now)
 
 
@@ -509,7 +556,8 @@ def nvmlDeviceSetGpuLockedClocks(handle: Handle, minGpuClockMHz: int, maxGpuCloc
     if latency > 0:  # the driver takes a while: the clock is in force when the call returns
         time.sleep(latency)
         now = node.now_ns()
-    gpu.lock_sm_clocks_mhz(lo, hi, now)
+    # The SM clock reaches the locked value clock_settle_s after the call returned.
+    gpu.lock_sm_clocks_mhz(lo, hi, now + node.clock_settle_ns)
 
 
 def nvmlDeviceResetGpuLockedClocks(handle: Handle) -> None:
