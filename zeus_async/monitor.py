@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 from ._exit import ClosedOnExit, call_at_exit
+from .aggregate.footprints import Carbon, sum_footprints
 from .aggregate.windows import WindowResult, WindowTracker, next_window_id, pop_open_window
 from .errors import ConfigError
 from .events import DeviceInfo, Event
@@ -283,6 +284,18 @@ class Monitor(ClosedOnExit):
             one. ``False``: always a private agent. ``True``: the node agent (started if none
             runs). A string: the endpoint of an agent to attach to. The environment variable
             ``ZEUS_ASYNC_AGENT=off`` makes ``None`` mean ``False``.
+        carbon: Emissions and cost beside every joule: a
+            :class:`~zeus_async.carbon.CarbonConfig` (``CarbonConfig(zone="FR")``: the offline
+            yearly table; ``source="electricitymaps"``, ``"file"``, ``"constant"``), opened
+            once, or an intensity source. Every window then has ``footprint``, ``co2e_g`` and
+            ``cost`` (:class:`~zeus_async.aggregate.WindowResult`), with the intensity's
+            source, the PUE and the overhead. ``None`` (default): no carbon figures (the
+            location is never guessed).
+        emissions_file: Append one row for this monitor's run (construction to
+            :meth:`close`) to this CSV, with CodeCarbon's ``emissions.csv`` columns and units
+            (:mod:`zeus_async.store.emissions_csv`; ``project_name`` is ``meta["project"]``
+            when given). Needs ``carbon``. The run is measured as a window named
+            ``emissions`` (it shows in window logs and recordings). Like ``record``, per rank.
         **runtime_options: More :class:`~zeus_async.runtime.Runtime` arguments (``clock``,
             ``sim_config``, ``fields``, ...). By default only ``power_w`` and ``energy_j`` are
             sampled, at ``sample_period``: that is all windows need. ``adaptive_reads=True``
@@ -324,6 +337,8 @@ class Monitor(ClosedOnExit):
         agent: str | bool | None = None,
         gpus: Sequence[int] | None = None,
         cpus: Sequence[int] | None = None,
+        carbon: Any = None,
+        emissions_file: str | Path | None = None,
         **runtime_options: Any,
     ) -> None:
         # One name for GPU indices across Monitor, Runtime and the CLI (``gpus``, ``--gpus``);
@@ -343,6 +358,11 @@ class Monitor(ClosedOnExit):
             )
         if sampler not in ("process", "thread"):
             raise ConfigError(f"sampler must be 'process' or 'thread', not {sampler!r}")
+        if emissions_file is not None and carbon is None:
+            raise ConfigError(
+                "emissions_file needs carbon=CarbonConfig(...): the grid's intensity is never "
+                "guessed (CarbonConfig(zone='FR') for the offline table)"
+            )
         self.model_complexity: ModelComplexity | None = None
         meta = dict(meta or {})
         if model is not None:
@@ -372,6 +392,8 @@ class Monitor(ClosedOnExit):
             otlp=otlp,
             otlp_interval_s=otlp_interval_s,
             agent=agent,
+            carbon=carbon,
+            emissions_file=emissions_file,
             runtime_options=runtime_options,
         )
         self._fresh()
@@ -407,6 +429,12 @@ class Monitor(ClosedOnExit):
         self._environ_size = -1
         self._pid = os.getpid()
         self._warned_unresolved = False
+        #: The carbon configuration, opened (``None``: no carbon figures).
+        self.carbon: Carbon | None = Carbon.of(self._args.get("carbon"))
+        # The run's window for emissions_file (name, id, start), and its closed parts (one
+        # per sampler: a rank resolution restarts it).
+        self._run_window: tuple[str, int, int] | None = None
+        self._run_parts: list[WindowResult] = []
 
     def _build(self, target: list[int] | None) -> None:
         """Start sampling: the GPUs asked for, else ``target`` (a resolution's), else this
@@ -506,6 +534,7 @@ class Monitor(ClosedOnExit):
                 rank = self.rank.rank if self.rank.distributed else None
                 consumers.append(window_log_consumer(log_file, rank=rank))
             self._embedded = EmbeddedRuntime(
+                carbon=self.carbon,
                 backend=backend,
                 gpus=gpu_indices,
                 cpus="auto" if cpu_indices is None else cpu_indices,
@@ -540,6 +569,87 @@ class Monitor(ClosedOnExit):
         self._pending = pending and len(self._gpu_indices) > 1
         self._final = self._final or requested is not None
         self._attention = self._pending or self._want is not None
+        if args.get("emissions_file") is not None:
+            self._open_run()
+
+    # -- the run's emissions (emissions_file) ---------------------------------------------------
+
+    _RUN_WINDOW = "emissions"
+
+    def _open_run(self) -> None:
+        """Open the window the run's emissions row measures: on the sampler, not among
+        :attr:`open_windows` (a rank resolution does not wait for it)."""
+        window_id = next_window_id()
+        t_ns = time.time_ns()
+        name = self._RUN_WINDOW
+        if self._process is not None:
+            self._process.send_edge(Edge(True, name, window_id, t_ns, restart=True))
+        else:
+            assert self._tracker is not None
+            self._tracker.open(name, restart=True, t_ns=t_ns, window_id=window_id)
+        self._run_window = (name, window_id, t_ns)
+
+    def _close_run(self) -> None:
+        """End the run's window (the sampler stopping next finalizes it)."""
+        run, self._run_window = self._run_window, None
+        if run is None:
+            return
+        name, window_id, start_ns = run
+        t_ns = time.time_ns()
+        try:
+            if self._process is not None:
+                result = WindowResult(name, window_id, start_ns, t_ns)
+                result._carbon = self.carbon
+                self._process.expect(result)
+                self._process.send_edge(Edge(False, name, window_id, t_ns))
+            elif self._tracker is not None:
+                result = self._tracker.close(name, t_ns=t_ns)
+            else:
+                return
+        except Exception:
+            logger.exception("the run's emissions window could not be closed")
+            return
+        self._run_parts.append(result)
+
+    def _write_emissions(self) -> None:
+        """Append the run's row to ``emissions_file`` (after the sampler stopped)."""
+        from .store.emissions_csv import RunEnergy, append_emissions_row, emissions_row
+
+        parts, self._run_parts = self._run_parts, []
+        path = self._args.get("emissions_file")
+        if path is None or not parts:
+            return
+        timeout = self._args["finalize_timeout_s"] + 1.0
+        gpu = cpu = dram = duration = 0.0
+        footprints = []
+        for result in parts:
+            try:
+                m = result.wait(timeout)
+            except Exception:
+                logger.exception("the run's emissions window was not measured")
+                continue
+            gpu += sum(m.gpu_energy_j.values())
+            cpu += sum((m.cpu_energy_j or {}).values())
+            dram += sum((m.dram_energy_j or {}).values())
+            duration += result.time
+            if result.footprint is not None:
+                footprints.append(result.footprint)
+        total = sum_footprints(footprints)
+        if total is None:
+            return
+        try:
+            models = [d.name for d in self.gpu_devices]
+        except Exception:
+            models = []
+        config = self.carbon.config if self.carbon is not None else None
+        row = emissions_row(
+            RunEnergy(duration, gpu, cpu, dram, total, gpu_model=models),
+            project_name=self._args["meta"].get("project", "zeus_async"),
+            zone=getattr(config, "zone", "") or "",
+            tracking_mode="machine",
+        )
+        out = append_emissions_row(rank_path(path, self.rank), row)
+        logger.info("emissions of this run appended to %s", out)
 
     # -- which GPUs -----------------------------------------------------------------------------
 
@@ -695,6 +805,7 @@ class Monitor(ClosedOnExit):
         """Sample ``target`` from now on: the old sampler stops, a new one starts as this
         monitor would have started with the rank known (its node agent, its paths)."""
         old = self._gpu_indices
+        self._close_run()  # the old sampler finalizes its part as it stops
         process, embedded = self._process, self._embedded
         self._process = self._embedded = self._tracker = None
         if process is not None:
@@ -819,6 +930,7 @@ class Monitor(ClosedOnExit):
                 return WindowResult.cancelled_result(key, window_id, start_ns, t_ns)
             # Expected before the edge leaves, so its reply always finds the result.
             result = WindowResult(key, window_id, start_ns, t_ns)
+            result._carbon = self.carbon
             self._process.expect(result)
             self._process.send_edge(Edge(False, key, window_id, t_ns))
         return result
@@ -1026,7 +1138,12 @@ class Monitor(ClosedOnExit):
         self._closed = True
         if os.getpid() != self._pid:
             return  # the sampler is the parent's (fork): it closes its own
+        self._close_run()
         if self._process is not None:
             self._process.stop()
         if self._embedded is not None:
             self._embedded.stop()
+        try:
+            self._write_emissions()
+        except Exception:
+            logger.exception("writing %s failed", self._args.get("emissions_file"))

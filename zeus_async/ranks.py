@@ -31,6 +31,7 @@ from .errors import ConfigError
 
 if TYPE_CHECKING:
     from .aggregate.windows import WindowResult
+    from .carbon import Footprint
 
 __all__ = [
     "PLACEHOLDERS",
@@ -39,6 +40,7 @@ __all__ = [
     "collective_device",
     "collectives",
     "job_energy",
+    "job_footprint",
     "rank_info",
     "rank_path",
 ]
@@ -285,3 +287,47 @@ def job_energy(result: WindowResult, timeout: float | None = None) -> float:
     joules = sum(result.wait(timeout).gpu_energy_j.values())
     ranks = collectives()
     return joules if ranks is None else ranks.sum(joules)
+
+
+def job_footprint(result: WindowResult, timeout: float | None = None) -> Footprint | None:
+    """The footprint of a window over every rank's GPUs (:attr:`WindowResult.gpu_footprint
+    <zeus_async.aggregate.WindowResult.gpu_footprint>` summed): what :func:`job_energy` is
+    for joules, with grams CO2e, cost, the intensity's source, the PUE and the overhead.
+
+    A collective, as :func:`job_energy`: every rank calls it for the same window, at the same
+    point of its program. ``None`` on every rank when this rank's monitor has no carbon
+    configuration (every rank's must have the same one); the cost is ``None`` when a rank's
+    is. In a single process, this rank's GPU footprint.
+    """
+    import msgspec
+
+    result.wait(timeout)
+    own = result.gpu_footprint
+    ranks = collectives()
+    if ranks is None:
+        return own
+    has = own is not None
+    priced = has and own is not None and own.cost is not None
+    values = [
+        1.0 if has else 0.0,
+        1.0 if priced else 0.0,
+        own.energy_j if own is not None else 0.0,
+        own.kwh if own is not None else 0.0,
+        own.co2e_g if own is not None else 0.0,
+        own.cost if own is not None and own.cost is not None else 0.0,
+    ]
+    has_n, priced_n, energy, kwh, co2e, cost = ranks.sums(values)
+    if own is None or round(has_n) < ranks.world_size:
+        if own is not None:
+            logger.warning("job_footprint: some ranks have no carbon configuration")
+        return None
+    whole = round(priced_n) == ranks.world_size
+    return msgspec.structs.replace(
+        own,
+        energy_j=energy,
+        kwh=kwh,
+        co2e_g=co2e,
+        cost=cost if whole else None,
+        currency=own.currency if whole else "",
+        g_per_kwh=co2e / kwh if kwh > 0 else own.g_per_kwh,
+    )

@@ -25,7 +25,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import ObjectReceiveStream
@@ -42,6 +42,7 @@ from ..events import (
     WindowOpen,
 )
 from .board import BoardReader, PowerBoard, provisional_measurement
+from .footprints import Carbon, history_energy_between
 from .history import (
     DeviceHistory,
     EnergyEstimate,
@@ -49,6 +50,9 @@ from .history import (
     history_key,
     window_measurement,
 )
+
+if TYPE_CHECKING:
+    from ..carbon import Footprint
 
 __all__ = [
     "EnergyEstimate",
@@ -101,12 +105,19 @@ class WindowResult:
     ``Monitor`` and runtime with windows); elsewhere they wait for the exact figures.
     :meth:`done` tells whether the exact figures are in, :meth:`wait` / :meth:`wait_async`
     (and :attr:`measurement`) wait for them.
+
+    With a carbon configuration (``Monitor(carbon=...)``, ``Runtime(carbon=...)``),
+    :attr:`footprint`, :attr:`co2e_g` and :attr:`cost` give the emissions and cost of the
+    window's energy, with the intensity's source, the PUE and the overhead; ``None`` without
+    one.
     """
 
     __slots__ = (
+        "_carbon",
         "_done",
         "_error",
         "_estimate",
+        "_footprints",
         "_measurement",
         "_on_wait",
         "_provisional",
@@ -137,6 +148,12 @@ class WindowResult:
         # what it computed, once.
         self._estimate: Callable[[WindowResult], Measurement | None] | None = None
         self._provisional: Measurement | None = None
+        # The carbon configuration its footprint uses (None: no carbon figures), and the
+        # footprints of its exact figures, (every device, GPUs only), once known: set by the
+        # tracker before it resolves the result where it had the energy timeline, else
+        # computed here from the totals.
+        self._carbon: Carbon | None = None
+        self._footprints: tuple[Footprint, Footprint] | None = None
 
     @property
     def time(self) -> float:
@@ -267,6 +284,61 @@ class WindowResult:
         """Devices that failed during the window (known with the exact figures; waits)."""
         return self.wait().lost
 
+    def _footprint_pair(self) -> tuple[Footprint, Footprint] | None:
+        carbon = self._carbon
+        if carbon is None or self.cancelled:
+            return None
+        pair = self._footprints
+        if pair is not None:
+            return pair
+        # Only the totals here (a sampler in another process, provisional figures): the
+        # energy spread evenly over the window.
+        m = self._current()
+        gpu = sum(m.gpu_energy_j.values())
+        total = gpu
+        for part in (m.cpu_energy_j, m.dram_energy_j):
+            if part:
+                total += sum(part.values())
+        pair = (
+            carbon.spread(total, self.start_ns, self.end_ns),
+            carbon.spread(gpu, self.start_ns, self.end_ns),
+        )
+        if m is self._measurement:
+            self._footprints = pair
+        return pair
+
+    @property
+    def footprint(self) -> Footprint | None:
+        """Emissions and cost of the window's energy, every device measured (GPU + CPU +
+        DRAM, as :attr:`total_energy`), with the intensity's source, the PUE and the overhead
+        (:class:`~zeus_async.carbon.Footprint`); ``None`` without a carbon configuration or
+        for a cancelled window. Provisional while the energy is. A time-varying intensity is
+        integrated against the energy timeline where the window was measured in this process
+        (``sampler="thread"``, ``Runtime``); from a sampler in another process, the window's
+        energy is spread evenly over it."""
+        pair = self._footprint_pair()
+        return None if pair is None else pair[0]
+
+    @property
+    def gpu_footprint(self) -> Footprint | None:
+        """As :attr:`footprint`, for the GPUs' energy only (:func:`~zeus_async.ranks.job_footprint`
+        sums it over the ranks, as ``job_energy`` sums GPU joules)."""
+        pair = self._footprint_pair()
+        return None if pair is None else pair[1]
+
+    @property
+    def co2e_g(self) -> float | None:
+        """Grams CO2-equivalent of :attr:`footprint` (``None`` without a carbon configuration)."""
+        pair = self._footprint_pair()
+        return None if pair is None else pair[0].co2e_g
+
+    @property
+    def cost(self) -> float | None:
+        """Money of :attr:`footprint`, in its ``currency`` (``None`` without a carbon
+        configuration, or without a price)."""
+        pair = self._footprint_pair()
+        return None if pair is None else pair[0].cost
+
     def __repr__(self) -> str:
         state = "cancelled" if self.cancelled else ("exact" if self.done() else "pending")
         return f"WindowResult({self.name!r}, time={self.time:.6f}, {state})"
@@ -301,6 +373,9 @@ class WindowTracker:
             processes map; ``False``: none), so that closed windows have provisional figures
             at once. :attr:`board` is it; ``None`` when its file could not be created (a full
             or read-only directory: a warning, and the exact figures only).
+        carbon: Emissions and cost of every window (:class:`~.footprints.Carbon`, or what
+            ``Carbon.of`` takes): a time-varying intensity integrated against the devices'
+            energy timeline when the window is finalized. ``None``: no carbon figures.
     """
 
     def __init__(
@@ -314,8 +389,10 @@ class WindowTracker:
         history_s: float = 30.0,
         on_result: Callable[[Measurement], None] | None = None,
         board: bool | str = True,
+        carbon: Any = None,
     ) -> None:
         self.clock = clock
+        self.carbon = Carbon.of(carbon)
         self.on_result = on_result
         self.host = host
         self._publish = publish
@@ -407,6 +484,7 @@ class WindowTracker:
         if cancel:
             return WindowResult.cancelled_result(name, window_id, start, t, host=self.host)
         result = WindowResult(name, window_id, start, t)
+        result._carbon = self.carbon
         if self._board_reader is not None:
             result._estimate = functools.partial(self._provisional, self._keys_for(gpus))
         with self._closed_lock:
@@ -503,12 +581,45 @@ class WindowTracker:
 
     def _finish(self, item: _Closed) -> Measurement:
         measurement = self._measure(item.result, item.gpus)
+        if self.carbon is not None:
+            self._footprints(item, measurement)
         item.result._resolve(measurement)
         if self.on_result is not None:
             self.on_result(measurement)
         if self._publish is not None:
             self._publish(measurement)
         return measurement
+
+    def _footprints(self, item: _Closed, m: Measurement) -> None:
+        """The window's footprints (every device, GPUs only), the intensity in force at each
+        instant weighted by the energy drawn then, set on its result before it resolves."""
+        carbon = self.carbon
+        assert carbon is not None
+        result = item.result
+        t0, t1 = result.start_ns, result.end_ns
+        gpu = sum(m.gpu_energy_j.values())
+        total = gpu + sum((m.cpu_energy_j or {}).values()) + sum((m.dram_energy_j or {}).values())
+        histories = list(self._measured(item.gpus))
+
+        def between(keys: list[Any], whole: float) -> Callable[[int, int], float]:
+            pieces = history_energy_between(h for _, h in keys)
+
+            def energy_between(a: int, b: int) -> float:
+                # The whole window is the measurement's own figure (one intensity step: no
+                # second pass over the histories).
+                return whole if (a, b) == (t0, t1) else pieces(a, b)
+
+            return energy_between
+
+        try:
+            result._footprints = (
+                carbon.between(between(histories, total), t0, t1),
+                carbon.between(between([h for h in histories if h[0][:4] == "gpu:"], gpu), t0, t1),
+            )
+        except Exception:
+            # A source that cannot answer (no fallback): the window keeps its energy; reading
+            # its footprint tries again and raises there.
+            logger.exception("the footprint of window %r failed", result.name)
 
     def finalize(self, window_id: int) -> Measurement | None:
         """Finalize closed window ``window_id`` now, with the data there is (replays use it to

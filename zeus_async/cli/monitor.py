@@ -23,6 +23,7 @@ from rich.text import Text
 from ..aggregate import LiveTotals
 from ..devices import is_simulated
 from ..events import Event, GpuSample, RaplSample
+from . import carbon as _carbon
 from . import processes as _processes
 from .common import (
     BACKEND_HELP,
@@ -99,6 +100,7 @@ def add_parsers(sub: Any) -> None:
     _processes.add_prometheus_args(mon, prefix="--prometheus-")
     _processes.add_otlp_args(mon)
     _processes.add_process_args(mon)
+    _carbon.add_carbon_args(mon, emissions=True)
 
 
 # -- what is drawn ------------------------------------------------------------------------------
@@ -307,6 +309,10 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
     totals = LiveTotals()
     processes = _processes.ProcessTable()
     sampled = anyio.Event()
+    carbon = _carbon.carbon_from_args(args)
+    running = _running_footprint(carbon)
+    charged = [0]  # stream time of the last charge of the running footprint
+    gpu_devices: list[Any] = []
 
     async def consume(stream: anyio.abc.ObjectReceiveStream[Event]) -> None:
         async for event in stream:
@@ -314,6 +320,14 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
             processes.add(event)
             if not sampled.is_set() and isinstance(event, GpuSample | RaplSample):
                 sampled.set()
+            # The energy since the last charge, at the intensity then (twice a second).
+            if (
+                running is not None
+                and isinstance(event, GpuSample | RaplSample)
+                and event.t_ns - charged[0] >= _CHARGE_EVERY_NS
+            ):
+                charged[0] = event.t_ns
+                _charge(running, totals)
 
     sim = sim_config(args.sim_config)
     if sim is None and not os.environ.get("ZEUS_ASYNC_SIM"):
@@ -349,9 +363,13 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
             prometheus_names=args.prometheus_names,
             otlp=args.otlp,
             otlp_interval_s=args.otlp_interval,
+            carbon=carbon,
         )
         tty = _is_terminal(out)
         async with runtime as rt:
+            gpu_devices = [
+                i for i in (d.describe() for d in rt.devices) if i.key.startswith("gpu:")
+            ]
             where = f", publishing on {rt.publisher.endpoint}" if rt.publisher is not None else ""
             if publish_curve is not None:
                 where += " (CURVE)"
@@ -442,12 +460,50 @@ async def _monitor(args: argparse.Namespace, out: TextIO) -> int:
             child.wait()
     out.write("\nTotals\n")
     write_totals(out, totals)
+    if running is not None:
+        _charge(running, totals)
+        out.write("\n")
+        _carbon.write_footprint(out, "carbon", running.footprint)
+        if args.emissions is not None and running.footprint is not None:
+            from ..store.emissions_csv import RunEnergy, append_emissions_row, emissions_row
+
+            gpu, cpu, dram = _carbon.carbon_energy(totals)
+            duration = max((t.duration_s for t in totals.devices.values()), default=0.0)
+            models = [d.name for d in gpu_devices]
+            row = emissions_row(
+                RunEnergy(duration, gpu, cpu, dram, running.footprint, gpu_model=models),
+                project_name="zeus-async monitor",
+                zone=carbon.zone if carbon is not None else "",
+            )
+            path = append_emissions_row(args.emissions, row)
+            out.write(f"emissions   appended to {path}\n")
     rows = processes.rows()
     if rows:
         out.write("\n")
         write_table(out, _processes.PROCESS_COLUMNS, rows)
     out.flush()
     return code
+
+
+#: Stream time between two charges of ``monitor``'s running footprint.
+_CHARGE_EVERY_NS = 500_000_000
+
+
+def _running_footprint(config: Any) -> Any:
+    """A :class:`~zeus_async.aggregate.footprints.RunningFootprint` for ``config`` (or None)."""
+    from ..aggregate.footprints import Carbon, RunningFootprint
+
+    carbon = Carbon.of(config)
+    return None if carbon is None else RunningFootprint(carbon)
+
+
+def _charge(running: Any, totals: LiveTotals) -> None:
+    """Charge the energy of every device since the last charge."""
+    firsts = [t.first_t_ns for t in totals.devices.values() if t.first_t_ns is not None]
+    lasts = [t.last_t_ns for t in totals.devices.values() if t.last_t_ns is not None]
+    if not lasts:
+        return
+    running.advance(sum(_carbon.carbon_energy(totals)), max(lasts), since_ns=min(firsts))
 
 
 COMMANDS: dict[str, Command] = {"monitor": _monitor}

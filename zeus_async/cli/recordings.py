@@ -90,6 +90,9 @@ def add_parsers(sub: Any) -> None:
     ins.add_argument(
         "--windows", type=nonnegative_int, default=20, help="windows to list (default 20)"
     )
+    from .carbon import add_carbon_args
+
+    add_carbon_args(ins)
 
     exp = sub.add_parser("export", help="convert a recording to CSV, JSON lines or Parquet")
     exp.add_argument("file")
@@ -205,7 +208,9 @@ def _window_rows(windows: Any) -> list[list[str]]:
 async def _inspect(args: argparse.Namespace, out: TextIO) -> int:
     from ..store import RecordingReader
     from ..store.analysis import Recording
+    from .carbon import carbon_from_args, write_footprint
 
+    carbon = carbon_from_args(args)
     reader = RecordingReader(args.file)
     rec = await anyio.to_thread.run_sync(
         lambda: Recording(args.file, progress=terminal_progress("reading"))
@@ -268,6 +273,13 @@ async def _inspect(args: argparse.Namespace, out: TextIO) -> int:
         ]
         footer = [["all GPUs", f"{totals.gpu_energy_j:.2f}", "", "", ""]]
         write_table(out, TOTALS_COLUMNS, rows, footer=footer)
+        if carbon is not None:
+            # Integrated against each device's recorded energy timeline.
+            emissions = rec.emissions(carbon)
+            w("\n")
+            write_footprint(out, "carbon", emissions.total)
+            for key, fp in emissions.devices.items():
+                write_footprint(out, f"  {key}", fp)
     if totals.processes:
         w("\n")
         rows = []

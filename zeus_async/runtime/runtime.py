@@ -32,6 +32,7 @@ from anyio.abc import ObjectReceiveStream, TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .._threads import run_sync
+from ..aggregate.footprints import Carbon
 from ..aggregate.windows import WindowResult, WindowTracker
 from ..clock import Clock, RealClock
 from ..devices import OpenedDevices, is_simulated, open_devices
@@ -162,6 +163,11 @@ class Runtime:
         otlp_interval_s: Seconds between OTLP exports.
         meta: Run metadata, in the recording header (``record``) and the
             :class:`~zeus_async.events.StreamInfo` event.
+        carbon: Emissions and cost beside the energy (a
+            :class:`~zeus_async.carbon.CarbonConfig`, opened once, or an intensity source):
+            every window's footprint (:attr:`WindowResult.footprint
+            <zeus_async.aggregate.WindowResult.footprint>`) and the exporters' CO2e
+            counters. ``None`` (default): no carbon figures.
     """
 
     def __init__(
@@ -197,6 +203,7 @@ class Runtime:
         prometheus_names: str = "native",
         otlp: str | None = None,
         otlp_interval_s: float = 10.0,
+        carbon: Any = None,
     ) -> None:
         if not period_s > 0:
             raise ConfigError(f"period_s must be positive, got {period_s!r}")
@@ -241,6 +248,7 @@ class Runtime:
         self._windows = windows
         self._finalize_timeout_s = finalize_timeout_s
         self._window_board = window_board
+        self.carbon = Carbon.of(carbon)
         self.tracker: WindowTracker | None = None
         self._record = record
         self._overwrite = overwrite
@@ -314,6 +322,7 @@ class Runtime:
                     publish=self.publish_nowait,
                     finalize_timeout_s=self._finalize_timeout_s,
                     board=self._window_board or True,
+                    carbon=self.carbon,
                 )
                 self._stack.callback(self.tracker.close_board)
                 # A sink, not a consumer: accounting a sample is a few list appends, and a

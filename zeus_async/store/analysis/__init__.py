@@ -74,13 +74,14 @@ from ..progress import PROGRESS_EVERY, Progress
 from .export import CSV_FIXED, csv_columns, export_csv, export_jsonl
 from .names import AIPOWERMETER_METRICS
 from .recording import Recording
-from .results import DeviceTotal, ProcessTotal, Series, Totals
+from .results import DeviceTotal, Emissions, ProcessTotal, Series, Totals
 
 __all__ = [
     "AIPOWERMETER_METRICS",
     "CSV_FIXED",
     "PROGRESS_EVERY",
     "DeviceTotal",
+    "Emissions",
     "ProcessTotal",
     "Progress",
     "Recording",

@@ -18,7 +18,7 @@ from .. import aipowermeter as aipm
 from ..progress import Progress
 from .loading import _PathLike
 from .names import _Named
-from .results import DeviceTotal, ProcessTotal, Series, Totals
+from .results import DeviceTotal, Emissions, ProcessTotal, Series, Totals
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +179,60 @@ class Recording(_Named):
                 [e for p in processes.values() for e in p.gpu_energy_j.values()]
             ),
         )
+
+    def emissions(
+        self, carbon: Any, t0_ns: int | None = None, t1_ns: int | None = None
+    ) -> Emissions:
+        """Grams CO2e, kWh and cost of every GPU and RAPL domain, and their sums, over
+        ``[t0_ns, t1_ns]`` (default: the whole recording).
+
+        ``carbon`` is a :class:`~zeus_async.carbon.CarbonConfig` (or an opened intensity
+        source). A time-varying intensity is integrated against each device's recorded energy
+        timeline (:meth:`energy` between the source's step boundaries), not averaged; each
+        device's interval is clamped to its samples, as :meth:`energy` clamps. The sum of the
+        recording's windows' footprints, for windows that tile the interval, is this figure.
+
+        Raises:
+            ConfigError: A bad configuration, or a source with no intensity for part of the
+                interval (a file that starts later).
+        """
+        from ...aggregate.footprints import Carbon, sum_footprints
+
+        opened = Carbon.of(carbon)
+        if opened is None:
+            raise ConfigError("emissions need a carbon configuration (CarbonConfig(zone=...))")
+        lo = self.start_ns if t0_ns is None else t0_ns
+        hi = self.end_ns if t1_ns is None else t1_ns
+        if hi < lo:
+            raise ConfigError(f"interval ends before it starts: [{lo}, {hi}]")
+        devices = {}
+        for key in self._history_keys:
+            first, last = self._span(key)
+            a, b = max(lo, first), min(hi, last)
+            if b <= a:
+                continue
+            history = self._history(key)
+
+            def energy_between(x: int, y: int, history: DeviceHistory = history) -> float:
+                joules = history.energy(x, y).energy_j
+                return 0.0 if joules is None else joules
+
+            devices[key] = opened.between(energy_between, a, b)
+
+        def part(match: str) -> Any:
+            return sum_footprints(
+                [fp for k, fp in devices.items() if k.split("@")[0].startswith("gpu:")]
+                if match == "gpu"
+                else [
+                    fp
+                    for k, fp in devices.items()
+                    if k.startswith("cpu:") and k.split("@")[0].endswith(f"/{match}")
+                ]
+            )
+
+        gpu, cpu, dram = part("gpu"), part("package"), part("dram")
+        total = sum_footprints([p for p in (gpu, cpu, dram) if p is not None])
+        return Emissions(devices, gpu, cpu, dram, total, lo, hi)
 
     def _counter_span(self, key: str, metric: str) -> tuple[float, int, int] | None:
         """(last - first value, first t, last t) of a running-total column, if any."""

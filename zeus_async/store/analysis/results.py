@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from ...carbon import Footprint
 
 logger = logging.getLogger(__name__)
 
@@ -149,4 +152,45 @@ class Totals:
             "process_cpu_energy_j": self.process_cpu_energy_j,
             "process_dram_energy_j": self.process_dram_energy_j,
             "process_gpu_energy_j": self.process_gpu_energy_j,
+        }
+
+
+@dataclass(frozen=True)
+class Emissions:
+    """Emissions and cost of a recording (see :meth:`Recording.emissions`): a
+    :class:`~zeus_async.carbon.Footprint` per GPU and RAPL domain, and their sums.
+
+    Attributes:
+        devices: Device key to its footprint over its samples inside the interval.
+        gpu: Sum over GPUs (``None`` without any).
+        cpu: Sum over the RAPL ``package`` domains (``None`` without any).
+        dram: Sum over the RAPL ``dram`` domains (``None`` without any).
+        total: GPU + CPU + DRAM (the ``core``/``uncore``/``psys`` domains are not added, as in
+            :class:`Totals`); ``None`` when nothing had energy there.
+        t0_ns, t1_ns: The interval asked for (the recording's span by default).
+    """
+
+    devices: dict[str, Footprint]
+    gpu: Footprint | None
+    cpu: Footprint | None
+    dram: Footprint | None
+    total: Footprint | None
+    t0_ns: int
+    t1_ns: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly dict of everything here."""
+        import msgspec
+
+        def one(fp: Footprint | None) -> dict[str, Any] | None:
+            return None if fp is None else msgspec.structs.asdict(fp)
+
+        return {
+            "devices": {k: one(v) for k, v in self.devices.items()},
+            "gpu": one(self.gpu),
+            "cpu": one(self.cpu),
+            "dram": one(self.dram),
+            "total": one(self.total),
+            "t0_ns": self.t0_ns,
+            "t1_ns": self.t1_ns,
         }
