@@ -177,6 +177,11 @@ def _open_gpus(
             SIM_VENDORS.get(backend), sim_config if isinstance(sim_config, SimConfig) else None
         )
         vendor = config.vendor
+        mixed = {ov.vendor or vendor for ov in config.gpus} | (
+            {vendor} if len(config.gpus) < config.num_gpus else set()
+        )
+        if backend == "sim" and len(mixed) > 1:
+            return _open_mixed_sim(config, indices, clock, power_scope)
         if vendor == "nvidia":
             from ..testing import sim_pynvml
 
@@ -228,6 +233,36 @@ def _open_gpus(
 
         return list(open_apple_gpus(indices, first_index=first_index))
     raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def _open_mixed_sim(
+    config: object, indices: Sequence[int] | None, clock: Clock | None, power_scope: str
+) -> list[Device]:
+    """A simulated node whose GPUs are of several vendors (``GpuOverride.vendor``): one node,
+    each vendor's GPUs through its own simulated API, NVIDIA's (``pynvml``) then AMD's
+    (``amdsmi``), numbered in that order as on a real ``nvml+amd`` node.
+
+    Raises:
+        ConfigError: A vendor other than NVIDIA and AMD on the node.
+    """
+    from ..testing import sim_amdsmi, sim_pynvml
+    from . import nvml
+    from .amd import open_amd_gpus
+    from .sim_config import SimConfig
+
+    assert isinstance(config, SimConfig)
+    vendors = {(ov.vendor or config.vendor) for ov in config.gpus} | {config.vendor}
+    if not vendors <= {"nvidia", "amd"}:
+        raise ConfigError(
+            f"a mixed simulated node holds NVIDIA and AMD GPUs; this one names {sorted(vendors)}"
+        )
+    node = sim_pynvml.install(config=config, clock=clock)
+    sim_amdsmi.install(node)
+    every: list[Device] = list(
+        nvml.open_nvml_gpus(None, pynvml_module=sim_pynvml, power_scope=power_scope)
+    )
+    every.extend(open_amd_gpus(None, amdsmi_module=sim_amdsmi, first_index=len(every)))
+    return _select(every, indices)
 
 
 #: Where a kernel driver shows itself (the library alone may be in a container's image).

@@ -460,6 +460,10 @@ _PRESETS: Final[dict[str, dict[str, object]]] = {
         "memory_clock_mhz": 1300,
         "memory_total_bytes": 205_822_885_888,
         "counter_period_s": 0.001,
+        # current_socket_power: the SMU's socket power, refreshed every millisecond (not
+        # NVIDIA's 25-of-100 ms instant sensor).
+        "instant_window_s": 0.001,
+        "instant_period_s": 0.001,
         "power_reading": "instant",
     },
     "jetson": {

@@ -165,7 +165,8 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
             setup, which raises it then.
         ConfigError: ``profile_path`` holds a corrupt profile, or is new and its directory is
             missing or not writable; adaptive profiling across ranks; a monitor that already
-            has an optimizer.
+            has an optimizer; GPUs without a power cap (``Capabilities.power_cap`` false:
+            Jetson, Apple Silicon).
     """
 
     def __init__(
@@ -327,6 +328,16 @@ class GlobalPowerLimitOptimizer(ClosedOnExit):
         devices = self.monitor.gpu_devices
         if not devices:
             raise ValueError("the monitor watches no GPU: nothing to optimize")
+        capless = [
+            d for d in devices if d.capabilities is not None and not d.capabilities.power_cap
+        ]
+        if capless:
+            described = ", ".join(f"{d.key} ({d.name}, vendor {d.vendor or '?'})" for d in capless)
+            raise ConfigError(
+                f"no power cap to tune: {described} cannot have its power limit set "
+                "(Capabilities.power_cap is False); the power-limit optimizer needs GPUs with "
+                "a power limit (NVIDIA) or power cap (AMD)"
+            )
         ranges = {(d.power_limit_min_w, d.power_limit_max_w) for d in devices}
         if len(ranges) != 1:
             described = ", ".join(

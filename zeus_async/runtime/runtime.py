@@ -780,6 +780,18 @@ class Runtime:
         if gpus is None:
             return [controls[i] for i in sorted(controls)]
         unknown = [g for g in gpus if g not in controls]
+        uncontrollable = {
+            int(d.key.split(":", 1)[1]): d.describe()
+            for d in self.devices
+            if d.key.startswith("gpu:") and not isinstance(d, GpuControl)
+        }
+        if unknown and all(g in uncontrollable for g in unknown):
+            info = uncontrollable[unknown[0]]
+            raise ConfigError(
+                f"gpu:{unknown[0]} ({info.name}, vendor {info.vendor or 'unknown'}) has no "
+                "settings this runtime can change: no power cap or clocks through its backend "
+                "(its DeviceInfo.capabilities say what it can do)"
+            )
         if unknown:
             raise ConfigError(
                 f"GPU(s) {unknown} are not controlled by this runtime (it has {sorted(controls)})"

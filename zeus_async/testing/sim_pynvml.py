@@ -81,10 +81,18 @@ def install(
     global _node, _handles
     if node is None:
         node = SimNode(config, clock) if config is not None else SimNode.from_env(clock=clock)
+    cfg = node.config
+    # On a mixed node (GpuOverride.vendor), NVML serves its NVIDIA GPUs only, in node order.
+    mixed = any(ov.vendor is not None for ov in cfg.gpus)
     with _lock:
         _node = node
-        _handles = [Handle(g) for g in node.gpus]
+        _handles = [Handle(g) for g in node.gpus if not mixed or _vendor(cfg, g.index) == "nvidia"]
     return node
+
+
+def _vendor(config: SimConfig, index: int) -> str:
+    ov = config.gpus[index] if index < len(config.gpus) else None
+    return (ov.vendor if ov is not None else None) or config.vendor
 
 
 def uninstall() -> None:
@@ -252,15 +260,16 @@ nvmlSystemGetCudaDriverVersion_v2 = nvmlSystemGetCudaDriverVersion
 
 def nvmlDeviceGetCount() -> int:
     """Number of GPUs (``CUDA_VISIBLE_DEVICES`` is not applied, as in real NVML)."""
-    return len(_enter().gpus)
+    _enter()
+    return len(_handles)
 
 
 def nvmlDeviceGetHandleByIndex(index: int) -> Handle:
     node = _enter()
     index = operator.index(index)
-    if not 0 <= index < len(node.gpus):
+    if not 0 <= index < len(_handles):
         raise NVMLError(_b.INVALID_ARGUMENT)
-    if node.gpus[index].is_lost(node.now_ns()):
+    if _handles[index].gpu.is_lost(node.now_ns()):
         raise NVMLError(_b.GPU_IS_LOST)
     return _handles[index]
 
