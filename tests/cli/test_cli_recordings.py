@@ -86,7 +86,7 @@ def test_inspect_refuses_an_unknown_format_version_in_one_line(
     assert proc.stdout == ""
     assert proc.stderr == (
         "zeus-async inspect: recording format version 2306 is not supported "
-        "(this build reads [1, 2])\n"
+        "(this build reads [1, 2, 3])\n"
     )
 
 

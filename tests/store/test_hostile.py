@@ -150,8 +150,12 @@ def test_frames_are_read_without_a_damaged_header(tmp_path: Path) -> None:
     for compression in ("zstd", "none"):
         header = RecordingHeader(host="h", start_wall_ns=1, pid=1, compression=compression)
         codec = PayloadCodec(compression)
-        events = [GpuSample("h", 10 + i, 0, 100.0) for i in range(6)]
-        frames = b"".join(encode_frame(events[i : i + 2], codec=codec) for i in range(0, 6, 2))
+        # Frames large enough that a format-3 frame compresses its blocks (a frame of small
+        # blocks stores them as they are, and says nothing of the header's codec).
+        events = [GpuSample("h", 10 + i, 0, 100.0 + i) for i in range(600)]
+        frames = b"".join(
+            encode_frame(events[i : i + 200], codec=codec) for i in range(0, 600, 200)
+        )
         head = encode_header(header)
         for pos in (len(head) - 6, 9):  # inside the body; inside the body length
             data = bytearray(head + frames)

@@ -516,7 +516,9 @@ def test_bad_magic_and_versions(tmp_path: Path) -> None:
         RecordingReader(tmp_path / "missing.zarc")
 
 
-@pytest.mark.parametrize(("fmt", "schema"), [(2306, SCHEMA_VERSION), (2, SCHEMA_VERSION + 1)])
+@pytest.mark.parametrize(
+    ("fmt", "schema"), [(2306, SCHEMA_VERSION), (FORMAT_VERSION, SCHEMA_VERSION + 1)]
+)
 def test_an_unknown_version_is_refused_even_with_frames_after_it(
     tmp_path: Path, fmt: int, schema: int
 ) -> None:

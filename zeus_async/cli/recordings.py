@@ -1,4 +1,5 @@
-"""The recording commands of the CLI: ``inspect``, ``export``, ``replay``, ``record``, ``plot``.
+"""The recording commands of the CLI: ``inspect``, ``export``, ``replay``, ``record``, ``plot``,
+``convert``.
 
 Long passes draw a progress bar (rich) on stderr when it is a terminal; ``record`` a status
 line with the events and bytes recorded so far.
@@ -146,6 +147,16 @@ def add_parsers(sub: Any) -> None:
         action="store_true",
         help="stop once every stream seen has ended (or gone silent for 3 s: tail unknown)",
     )
+
+    con = sub.add_parser(
+        "convert", help="rewrite a recording in another format version (default: columns, v3)"
+    )
+    con.add_argument("file", help="the recording to read (never written)")
+    con.add_argument("output", help="the new recording")
+    con.add_argument(
+        "--format-version", type=int, choices=(2, 3), default=3, help="format to write (3)"
+    )
+    con.add_argument("--force", action="store_true", help="overwrite an existing output")
 
     plo = sub.add_parser("plot", help="draw per-GPU power over time, windows shaded (PNG)")
     plo.add_argument("file")
@@ -495,6 +506,27 @@ async def _record(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+async def _convert(args: argparse.Namespace, out: TextIO) -> int:
+    from ..store.convert import convert_recording
+
+    result = await anyio.to_thread.run_sync(
+        lambda: convert_recording(
+            args.file,
+            args.output,
+            format_version=args.format_version,
+            overwrite=args.force,
+            progress=terminal_progress("converting"),
+        )
+    )
+    out.write(
+        f"converted {result.events} events (format v{result.format_from}) to {args.output} "
+        f"(format v{result.format_to}, {result.frames} frame(s))\n"
+    )
+    if not result.report.clean:
+        out.write(f"input damaged: {result.report.summary()}; every complete frame converted\n")
+    return 0
+
+
 async def _plot(args: argparse.Namespace, out: TextIO) -> int:
     from ..store.plot import plot_power
 
@@ -518,4 +550,5 @@ COMMANDS: dict[str, Command] = {
     "replay": _replay,
     "record": _record,
     "plot": _plot,
+    "convert": _convert,
 }

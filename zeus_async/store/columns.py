@@ -48,6 +48,7 @@ import numpy.typing as npt
 from ..aggregate.live import device_order
 from ..errors import ConfigError
 from ..events import EVENT_TYPES, Event, GpuSample, ProcessSample, RaplSample, event_to_dict
+from .columnar import ColumnarFrame, ColumnGroup
 from .progress import Progress, ProgressTicker
 from .reader import RecordingReader
 
@@ -191,6 +192,15 @@ class _Categories:
         self.index: dict[str, int] = {}
         self.names: list[str] = []
 
+    def lut(self, names: list[str]) -> npt.NDArray[np.int32]:
+        """Codes of ``names`` (a frame's dictionary), adding the new ones."""
+        index = self.index
+        for v in names:
+            if v not in index:
+                index[v] = len(self.names)
+                self.names.append(v)
+        return np.fromiter(map(index.__getitem__, names), dtype=np.int32, count=len(names))
+
     def codes(self, values: list[str]) -> npt.NDArray[np.int32]:
         index = self.index
         if not set(values) <= index.keys():
@@ -237,6 +247,52 @@ class _KindBuilder:
                     array = np.array(list(map(getter, group)), dtype=np.float64)  # None -> NaN
             self.chunks[name].append(array)
             frame[name] = array
+        self._identify(frame, n)
+
+    def add_columns(self, group: ColumnGroup) -> None:
+        """A format-3 column group, its arrays taken as they are where the storage matches
+        (no event objects)."""
+        n = group.rows
+        frame: dict[str, npt.NDArray[Any]] = {}
+        for name, storage in self.layout:
+            column = group.columns[name]
+            values = column.values
+            if storage == "cat":
+                assert column.dictionary is not None and values is not None
+                lut = self.cats[name].lut(column.dictionary)
+                if column.const:
+                    array: npt.NDArray[Any] = np.full(n, lut[int(values[0])], dtype=np.int32)
+                else:
+                    array = lut[values]
+            elif values is None:
+                array = np.full(n, np.nan)
+            else:
+                if column.const:
+                    array = np.full(n, values[0], dtype=np.float64 if storage == "float" else None)
+                elif storage == "float" and values.dtype != np.float64:
+                    array = values.astype(np.float64)
+                else:
+                    array = values
+                if column.present is not None:
+                    if array is values:
+                        array = array.astype(np.float64)
+                    array[~column.present] = np.nan
+            self.chunks[name].append(array)
+            frame[name] = array
+        if self.kind == "gpu" and group.columns["host"].const:
+            gpu = frame["gpu"]
+            lo, hi = int(gpu.min()), int(gpu.max())
+            if lo >= 0 and hi < 65536:  # one host, a few GPUs: count them
+                host = int(frame["host"][0])
+                lut = np.empty(hi + 1, dtype=np.int32)
+                for g in np.flatnonzero(np.bincount(gpu)).tolist():
+                    lut[g] = self.idents.setdefault((host, g), len(self.idents))
+                self.device_chunks.append(lut[gpu])
+                self.count += n
+                return
+        self._identify(frame, n)
+
+    def _identify(self, frame: dict[str, npt.NDArray[Any]], n: int) -> None:
         ident = _ident(self.kind, frame)
         first = ident[0]
         if (ident == first).all():  # one device in the frame
@@ -244,7 +300,17 @@ class _KindBuilder:
             self.device_chunks.append(np.full(n, code, dtype=np.int32))
         else:
             packed = _packed(ident)
-            if packed is not None:  # the usual case: a 1-D unique, far cheaper than axis=0
+            if packed is not None and int(packed.max()) < 65536:  # a few devices: count them
+                uniq_packed = np.flatnonzero(np.bincount(packed))
+                lut = np.empty(int(uniq_packed[-1]) + 1, dtype=np.int32)
+                where = np.empty(len(lut), dtype=np.intp)
+                where[packed] = np.arange(n)  # a row of each value, to read its identity
+                for v, row in zip(uniq_packed.tolist(), where[uniq_packed].tolist(), strict=True):
+                    lut[v] = self.idents.setdefault(tuple(ident[row].tolist()), len(self.idents))
+                self.device_chunks.append(lut[packed])
+                self.count += n
+                return
+            if packed is not None:  # a 1-D unique, far cheaper than axis=0
                 _, first_rows, inverse = np.unique(packed, return_index=True, return_inverse=True)
                 uniq = ident[first_rows]
             else:
@@ -347,7 +413,19 @@ def _frames_into(
     """Read frames into the builders (and ``others``, and the hosts of StreamInfo events into
     ``stream_hosts``); yields after each frame."""
     ticker = ProgressTicker(reader, progress)
-    for batch in reader.batches(kinds=kinds):
+    for frame in reader.frames(kinds=kinds):
+        if isinstance(frame, ColumnarFrame):
+            for group in frame.groups:
+                if isinstance(group, ColumnGroup) and (kinds is None or group.kind in kinds):
+                    counts[group.kind] = counts.get(group.kind, 0) + group.rows
+                    builders[group.kind].add_columns(group)
+            batch = frame.records(kinds)
+            if not batch:
+                ticker.tick()
+                yield None
+                continue
+        else:
+            batch = frame
         present = set(map(type, batch))
         for cls in present:
             group = batch if len(present) == 1 else [e for e in batch if type(e) is cls]

@@ -52,6 +52,7 @@ __all__ = [
     "MAX_PAYLOAD",
     "SUPPORTED_FORMAT_VERSIONS",
     "SUPPORTED_SCHEMA_VERSIONS",
+    "WRITABLE_FORMAT_VERSIONS",
     "ZSTD_LEVEL",
     "Buffer",
     "FramePrefix",
@@ -79,10 +80,13 @@ FILE_MAGIC: Final = b"ZARC"
 #: Sync marker opening every frame.
 FRAME_MAGIC: Final = b"ZAFR"
 #: Version of the file layout described above. Version 2 added frame compression (a version-1
-#: reader would take compressed payloads for damage, so the version changed).
-FORMAT_VERSION: Final = 2
+#: reader would take compressed payloads for damage, so the version changed); version 3 stores
+#: the samples of a frame as typed columns (:mod:`.columnar`).
+FORMAT_VERSION: Final = 3
 #: File layout versions this build reads.
-SUPPORTED_FORMAT_VERSIONS: Final = frozenset({1, 2})
+SUPPORTED_FORMAT_VERSIONS: Final = frozenset({1, 2, 3})
+#: File layout versions this build writes.
+WRITABLE_FORMAT_VERSIONS: Final = frozenset({2, 3})
 #: Frame payload codecs: ``"none"`` (plain msgpack) and ``"zstd"`` (Zstandard, default).
 COMPRESSIONS: Final = ("none", "zstd")
 #: Zstandard level of the writers (level 1: ~5 M events/s, about 7x smaller than msgpack).
@@ -193,6 +197,14 @@ class PayloadCodec:
 
     def compress(self, payload: bytes) -> bytes:
         return self._compressor().compress(payload) if self._zstd else payload
+
+    def block_compressor(self) -> zstandard.ZstdCompressor | None:
+        """This thread's compressor for format-3 blocks (``None``: stored uncompressed)."""
+        return self._compressor() if self._zstd else None
+
+    def decompressor(self) -> zstandard.ZstdDecompressor:
+        """This thread's decompressor (format-3 blocks carry their own codec)."""
+        return self._decompressor()
 
     def expand(self, stored: bytes) -> bytes:
         """The msgpack payload of stored frame bytes.
@@ -340,18 +352,27 @@ def encode_frame(
     events: Sequence[Event],
     encoder: EventEncoder | None = None,
     codec: PayloadCodec | None = None,
+    *,
+    format_version: int = FORMAT_VERSION,
 ) -> bytes:
     """Encode a non-empty batch of events as one complete frame (prefix + payload).
 
     ``codec`` compresses the payload (the file's :attr:`RecordingHeader.compression`); without
-    one the payload is plain msgpack.
+    one the payload is plain msgpack (format 2) or uncompressed columns (format 3).
 
     Raises:
         CodecError: No events, a first ``t_ns`` outside u64, or a payload over 4 GiB.
     """
     if not events:
         raise CodecError("a frame needs at least one event")
-    payload = (encoder or EventEncoder()).encode(list(events))
+    encoder = encoder or EventEncoder()
+    if format_version == 3:
+        from .columnar import encode_columns
+
+        prepared = encode_columns(events, encoder)
+        cctx = codec.block_compressor() if codec is not None else None
+        return seal_frame(prepared.seal(cctx), prepared.first_t_ns)
+    payload = encoder.encode(list(events))
     return seal_frame(payload, events[0].t_ns, codec)
 
 

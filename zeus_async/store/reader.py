@@ -53,6 +53,7 @@ from ..events import (
     event_kind,
     event_topic,
 )
+from .columnar import ColumnarFrame, decode_payload
 from .format import (
     FORMAT_VERSION,
     FRAME_MAGIC,
@@ -71,7 +72,16 @@ from .format import (
     unpack_header_prefix,
 )
 
-__all__ = ["PartOf", "RecordingReader", "RecoveryReport", "event_device", "part_of"]
+__all__ = [
+    "Frame",
+    "FrameCodec",
+    "PartOf",
+    "RecordingReader",
+    "RecoveryReport",
+    "event_device",
+    "frame_events",
+    "part_of",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -189,13 +199,45 @@ def _predicate(
 
 
 _Buffer = mmap.mmap | bytes
-_Valid = tuple[FramePrefix, list[Event]]
+#: A decoded frame: its events (formats 1 and 2) or its columns (format 3).
+Frame = list[Event] | ColumnarFrame
+_Valid = tuple[FramePrefix, Frame]
+
+
+class FrameCodec:
+    """Decodes the stored payloads of one file: msgpack (formats 1, 2; expanded per the
+    header's codec) or columns (format 3)."""
+
+    __slots__ = ("columnar", "payload")
+
+    def __init__(self, compression: str, format_version: int) -> None:
+        self.payload = PayloadCodec(compression)
+        self.columnar = format_version >= 3
+
+    def decode(self, stored: bytes, decoder: EventDecoder) -> Frame:
+        """The frame a payload holds (raises :class:`CodecError` on anything invalid)."""
+        if self.columnar:
+            return decode_payload(
+                stored, self.payload.decompressor(), decoder, limit=MAX_FRAME_BYTES
+            )
+        return decoder.decode_batch(self.payload.expand(stored))
+
+
+def frame_events(frame: Frame, kinds: Collection[str] | None = None) -> list[Event]:
+    """The events of a decoded frame (those of ``kinds`` only, for a columnar frame)."""
+    return frame if isinstance(frame, list) else frame.events(kinds)
+
+
+def _first_t(frame: Frame) -> int:
+    return frame[0].t_ns if isinstance(frame, list) else frame.first_t_ns
 
 
 def _validate(
-    buf: _Buffer, pos: int, end: int, decoder: EventDecoder, codec: PayloadCodec
+    buf: _Buffer, pos: int, end: int, decoder: EventDecoder, codec: FrameCodec | PayloadCodec
 ) -> _Valid | str:
     """The frame at ``pos`` and its events, or why it is not a valid frame."""
+    if isinstance(codec, PayloadCodec):  # a file of this build's format
+        codec = FrameCodec(codec.compression, FORMAT_VERSION)
     if end - pos < FRAME_PREFIX_SIZE:
         return _TRUNCATED
     prefix = unpack_frame_prefix(buf, pos)
@@ -210,12 +252,12 @@ def _validate(
     if zlib.crc32(payload) != prefix.crc:
         return "payload checksum mismatch"
     try:
-        events = decoder.decode_batch(codec.expand(payload))
+        events = codec.decode(payload, decoder)
     except CodecError:
         return "undecodable payload"
-    if not events:
+    if not len(events):
         return "empty frame"
-    if events[0].t_ns != prefix.first_t_ns:
+    if _first_t(events) != prefix.first_t_ns:
         return "first_t_ns does not match the first event"
     return prefix, events
 
@@ -246,7 +288,7 @@ def _resync(
     pos: int,
     end: int,
     decoder: EventDecoder,
-    codec: PayloadCodec,
+    codec: FrameCodec,
     cost: _ResyncCost,
     report: RecoveryReport | None = None,
 ) -> int | None:
@@ -279,10 +321,10 @@ def _frames(
     start: int,
     end: int,
     report: RecoveryReport,
-    codec: PayloadCodec,
+    codec: FrameCodec,
     *,
     stop_t_ns: int | None = None,
-) -> Iterator[tuple[int, int, list[Event]]]:
+) -> Iterator[tuple[int, int, Frame]]:
     """Yield ``(offset, first_t_ns, events)`` of every valid frame from ``start``, recovering."""
     decoder = EventDecoder()
     cost = _ResyncCost(start)
@@ -441,7 +483,7 @@ class RecordingReader:
             header, self.data_offset = recovered
         self.header: RecordingHeader = header
         self.part_of: PartOf | None = part_of(self.path, header)
-        self._codec = PayloadCodec(header.compression)
+        self._codec = FrameCodec(header.compression, self.format_version)
         self.report = RecoveryReport()
         self._index: list[tuple[int, int]] | None = None
         self._index_t: list[int] = []
@@ -454,22 +496,27 @@ class RecordingReader:
             base += size
         self.size_bytes = base
         # Data offset and codec of each part after the first (read from its header on use).
-        self._part_heads: dict[int, tuple[int, PayloadCodec] | str] = {}
+        self._part_heads: dict[int, tuple[int, FrameCodec] | str] = {}
 
     def _without_header(self, why: str) -> tuple[RecordingHeader, int] | None:
         """A stand-in header and the first valid frame's offset, found by scanning with each
         codec; ``None`` when no valid frame is found (nothing to recover)."""
         decoder = EventDecoder()
         with self._mapped(self.path) as (buf, end):
-            for compression in ("zstd", "none"):
-                codec = PayloadCodec(compression)
+            versions = [self.format_version] if self.format_version != FORMAT_VERSION else [3, 2]
+            for version, compression in itertools.product(versions, ("zstd", "none")):
+                codec = FrameCodec(compression, version)
                 start = HEADER_PREFIX_SIZE
                 found = _resync(buf, start, end, decoder, codec, _ResyncCost(start))
                 if found is None:
                     continue
                 result = _validate(buf, found, end, decoder, codec)
                 assert not isinstance(result, str)
-                _, events = result
+                _, frame = result
+                events = frame_events(frame)
+                self.format_version = version
+                if isinstance(frame, ColumnarFrame):  # each block says its codec
+                    compression = "zstd" if frame.compressed else "none"
                 self._header_damage = f"{why}; frames read without it"
                 logger.warning("recording %s: header damaged (%s)", self.path, self._header_damage)
                 header = RecordingHeader(
@@ -480,7 +527,7 @@ class RecordingReader:
                 return header, found
         return None
 
-    def _part_head(self, k: int) -> tuple[int, PayloadCodec] | str:
+    def _part_head(self, k: int) -> tuple[int, FrameCodec] | str:
         """Data offset and codec of part ``k``, or why its header cannot be read."""
         if k == 0:
             return self.data_offset, self._codec
@@ -492,7 +539,7 @@ class RecordingReader:
                     prefix = unpack_header_prefix(raw)
                     raw += f.read(prefix.body_len + 4)
                 _, header, offset = decode_header(raw)
-                head = (offset, PayloadCodec(header.compression))
+                head = (offset, FrameCodec(header.compression, prefix.format_version))
             except (ZeusAsyncError, OSError) as exc:
                 head = f"unreadable header ({exc})"
             self._part_heads[k] = head
@@ -514,7 +561,7 @@ class RecordingReader:
 
     def _frames_from(
         self, start: int, report: RecoveryReport, *, stop_t_ns: int | None = None
-    ) -> Generator[tuple[int, int, list[Event]], None, None]:
+    ) -> Generator[tuple[int, int, Frame], None, None]:
         """Frames from offset ``start`` (counted through the parts) to the end of the last
         part; offsets yielded the same way."""
         many = len(self._parts) > 1
@@ -587,12 +634,31 @@ class RecordingReader:
         """
         keep = _predicate(kinds, topics_prefix, devices)
         report = self._new_report()
-        for _, _, events in self._frames_from(self.data_offset, report):
+        for _, _, frame in self._frames_from(self.data_offset, report):
+            events = frame_events(frame, kinds)
             if keep is not None:
                 events = [e for e in events if keep(e)]
                 if not events:
                     continue
             yield events
+
+    def frames(self, kinds: Collection[str] | None = None) -> Iterator[Frame]:
+        """Every valid frame as decoded: a list of events (formats 1, 2) or a
+        :class:`~.columnar.ColumnarFrame` (format 3), whose columns a columnar reader takes
+        without building events. ``kinds`` filters the events of formats 1 and 2 (frames left
+        empty are skipped); a columnar frame is yielded whole.
+
+        Raises:
+            ConfigError: An unknown kind.
+        """
+        keep = _predicate(kinds, None, None)
+        report = self._new_report()
+        for _, _, frame in self._frames_from(self.data_offset, report):
+            if keep is not None and isinstance(frame, list):
+                frame = [e for e in frame if keep(e)]
+                if not frame:
+                    continue
+            yield frame
 
     async def aiter(
         self,
@@ -615,7 +681,8 @@ class RecordingReader:
         frames = self._frames_from(self.data_offset, report)
 
         def take() -> list[tuple[int, int, list[Event]]]:
-            return list(itertools.islice(frames, frames_per_chunk))
+            chunk = itertools.islice(frames, frames_per_chunk)
+            return [(p, t, frame_events(f, kinds)) for p, t, f in chunk]
 
         try:
             while True:
@@ -678,8 +745,8 @@ class RecordingReader:
         one recorder writes, up to events published late such as measurements).
         """
         report = self._new_report()
-        for _, _, events in self._frames_from(self._start_for(t_ns), report):
-            for event in events:
+        for _, _, frame in self._frames_from(self._start_for(t_ns), report):
+            for event in frame_events(frame):
                 if event.t_ns >= t_ns:
                     yield event
 
@@ -691,7 +758,7 @@ class RecordingReader:
         """
         report = self._new_report()
         start = self._start_for(t0_ns)
-        for _, _, events in self._frames_from(start, report, stop_t_ns=t1_ns):
-            for event in events:
+        for _, _, frame in self._frames_from(start, report, stop_t_ns=t1_ns):
+            for event in frame_events(frame):
                 if t0_ns <= event.t_ns < t1_ns:
                     yield event

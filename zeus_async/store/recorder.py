@@ -32,7 +32,10 @@ from ..clock import Clock, RealClock
 from ..errors import ConfigError
 from ..events import Event, EventEncoder
 from ..runtime.hub import EventBatches
+from .columnar import PreparedFrame, encode_columns
 from .format import (
+    FORMAT_VERSION,
+    WRITABLE_FORMAT_VERSIONS,
     PayloadCodec,
     RecordingHeader,
     default_header,
@@ -152,6 +155,14 @@ async def _drain(stream: ObjectReceiveStream[Event]) -> AsyncIterator[list[Event
         yield batch
 
 
+def _check_version(format_version: int) -> None:
+    if format_version not in WRITABLE_FORMAT_VERSIONS:
+        raise ConfigError(
+            f"cannot write recording format version {format_version!r} "
+            f"(this build writes {sorted(WRITABLE_FORMAT_VERSIONS)})"
+        )
+
+
 #: Event times a frame can carry: ``0 <= t_ns < 2**64``.
 _T_LIMIT = 2**64
 
@@ -178,6 +189,8 @@ class Recorder:
             hung write's thread is abandoned. ``None`` (default): wait as long as it takes.
         overwrite: Replace an existing recording at ``path``, dropping its old rotated parts
             (which would otherwise read as the continuation of the new one).
+        format_version: File layout to write: 3 (default; samples as columns) or 2 (msgpack
+            frames, for readers of older builds).
 
     Attributes:
         events_written: Events written in frames so far.
@@ -188,8 +201,8 @@ class Recorder:
         paths: The files written so far (more than one after rotation).
 
     Raises:
-        ConfigError: ``flush_events < 1``, ``flush_interval_s <= 0`` or ``rotate_bytes`` too
-            small to hold a header.
+        ConfigError: ``flush_events < 1``, ``flush_interval_s <= 0``, ``rotate_bytes`` too
+            small to hold a header, or a format version this build does not write.
         FileExistsError: ``path`` exists and ``overwrite`` is false.
     """
 
@@ -205,7 +218,9 @@ class Recorder:
         clock: Clock | None = None,
         write_timeout_s: float | None = None,
         overwrite: bool = False,
+        format_version: int = FORMAT_VERSION,
     ) -> None:
+        _check_version(format_version)
         if flush_events < 1:
             raise ConfigError(f"flush_events must be at least 1, got {flush_events!r}")
         if not flush_interval_s > 0:
@@ -220,6 +235,7 @@ class Recorder:
             force_hint="overwrite=True",
         )
         self.header = header
+        self.format_version = format_version
         self.flush_events = flush_events
         self.flush_interval_s = flush_interval_s
         self.fsync_on_close = fsync_on_close
@@ -302,7 +318,7 @@ class Recorder:
         self.paths.append(path)
         self._file_bytes = 0
         self._part_frames = 0
-        await self._write(encode_header(header))
+        await self._write(encode_header(header, format_version=self.format_version))
         await self._sink.flush()
 
     async def _close_part(self) -> None:
@@ -408,15 +424,24 @@ class Recorder:
         codec = self._codec
         groups: list[list[bytes]] = []
         span = step * _SEAL_GROUP
+        columnar = self.format_version >= 3
         async with anyio.create_task_group() as tg:
             for g in range(0, len(events), span):
                 part = events[g : g + span]
+                slot: list[bytes] = []
+                groups.append(slot)
+                if columnar:
+                    prepared = [
+                        encode_columns(part[i : i + step], self._encoder)
+                        for i in range(0, len(part), step)
+                    ]
+                    tg.start_soon(self._seal_columns, prepared, codec, slot)
+                    await anyio.lowlevel.checkpoint()
+                    continue
                 payloads = [
                     (self._encoder.encode(part[i : i + step]), part[i].t_ns)
                     for i in range(0, len(part), step)
                 ]
-                slot: list[bytes] = []
-                groups.append(slot)
 
                 async def seal(payloads: list[tuple[bytes, int]], slot: list[bytes]) -> None:
                     slot.extend(
@@ -426,6 +451,16 @@ class Recorder:
                 tg.start_soon(seal, payloads, slot)
                 await anyio.lowlevel.checkpoint()  # let it hand the group to its thread
         return groups
+
+    @staticmethod
+    async def _seal_columns(
+        prepared: list[PreparedFrame], codec: PayloadCodec, slot: list[bytes]
+    ) -> None:
+        def seal() -> list[bytes]:
+            cctx = codec.block_compressor()
+            return [seal_frame(p.seal(cctx), p.first_t_ns) for p in prepared]
+
+        slot.extend(await run_sync(seal))
 
     async def _write_frames(self, frames: list[bytes]) -> None:
         """Write sealed frames in one go, starting a new part first where rotation says so."""
@@ -454,6 +489,7 @@ def write_recording(
     events_per_frame: int = 4096,
     *,
     overwrite: bool = False,
+    format_version: int = FORMAT_VERSION,
 ) -> int:
     """Write ``events`` to a new recording synchronously (tests, benchmarks, converters).
 
@@ -464,14 +500,16 @@ def write_recording(
         header: Run metadata; default: this process.
         events_per_frame: Events per frame (the last frame may hold fewer).
         overwrite: Replace an existing recording (and drop its old rotated parts).
+        format_version: File layout: 3 (default; samples as columns) or 2 (msgpack frames).
 
     Returns:
         The number of frames written.
 
     Raises:
-        ConfigError: ``events_per_frame < 1``.
+        ConfigError: ``events_per_frame < 1`` or a format version this build does not write.
         FileExistsError: ``path`` exists and ``overwrite`` is false.
     """
+    _check_version(format_version)
     if events_per_frame < 1:
         raise ConfigError(f"events_per_frame must be at least 1, got {events_per_frame!r}")
     encoder = EventEncoder()
@@ -483,14 +521,14 @@ def write_recording(
     frames = 0
     batch: list[Event] = []
     with path.open("wb") as f:
-        f.write(encode_header(header))
+        f.write(encode_header(header, format_version=format_version))
         for event in events:
             batch.append(event)
             if len(batch) >= events_per_frame:
-                f.write(encode_frame(batch, encoder, codec))
+                f.write(encode_frame(batch, encoder, codec, format_version=format_version))
                 frames += 1
                 batch = []
         if batch:
-            f.write(encode_frame(batch, encoder, codec))
+            f.write(encode_frame(batch, encoder, codec, format_version=format_version))
             frames += 1
     return frames
