@@ -342,6 +342,13 @@ class DeviceInfo(msgspec.Struct, array_like=True, gc=False):
     #: The power scope read (NVML: ``gpu`` or ``module`` on Grace superchips); ``""``: the
     #: device's only one.
     power_scope: str = ""
+    #: How the power readings relate to time (issue 37): the most a reading can describe power
+    #: earlier than its own timestamp (s; 0: its own moment, and in recordings made before
+    #: this field). A window integrating the readings widens its ``error_j`` by it.
+    power_reading_lag_s: float = 0.0
+    #: Each reading is the mean power over a window this long (s), lying within the lag
+    #: above (0: a point reading, or unknown).
+    power_reading_window_s: float = 0.0
 
 
 class StreamInfo(msgspec.Struct, tag="stream", **_OPTS):

@@ -113,6 +113,11 @@ class DeviceHistory(CounterPeriods):
         sensor: How the instant-power readings relate to the counter.
         bounded: Keep only what :meth:`span_energy` needs (constant memory over any length of
             stream); :meth:`energy` of earlier intervals is then no longer available.
+        reading_lag_s: The most a power reading can describe power earlier than its timestamp
+            (the device's ``DeviceInfo.power_reading_lag_s``): integrated stretches of a
+            window widen their ``error_j`` by it (:meth:`_lag_error`).
+        reading_window_s: Each reading is a mean over a window this long, within the lag
+            (``DeviceInfo.power_reading_window_s``; 0: unknown or a point reading).
     """
 
     def __init__(
@@ -122,10 +127,17 @@ class DeviceHistory(CounterPeriods):
         fine_counter: bool = False,
         sensor: SensorModel | None = None,
         bounded: bool = False,
+        reading_lag_s: float = 0.0,
+        reading_window_s: float = 0.0,
     ) -> None:
         self.key = key
         self.fine_counter = fine_counter
         self.bounded = bounded
+        lag = max(float(reading_lag_s), 0.0) if reading_lag_s == reading_lag_s else 0.0
+        window = max(float(reading_window_s), 0.0) if reading_window_s == reading_window_s else 0.0
+        #: The readings' lag and averaging window, in ns (the window no longer than the lag).
+        self.reading_lag_ns = round(lag * 1e9)
+        self.reading_window_ns = min(round(window * 1e9), self.reading_lag_ns)
         self.sensor = sensor if sensor is not None else SensorModel()
         self._lock = threading.Lock()
         # Power samples: time, power, cumulative trapezoid energy at that time.
@@ -185,6 +197,8 @@ class DeviceHistory(CounterPeriods):
         *,
         fine_counter: bool = False,
         sensor: SensorModel | None = None,
+        reading_lag_s: float = 0.0,
+        reading_window_s: float = 0.0,
     ) -> DeviceHistory:
         """A history holding exactly what :meth:`add` of each sample in turn would hold, built
         with array operations (the offline analysis's load path, :mod:`zeus_async.store`).
@@ -194,7 +208,7 @@ class DeviceHistory(CounterPeriods):
             t_ns: Sample times, in arrival order.
             power_w: Power of each sample, NaN where the sample has none; ``None``: no power.
             counter_j: Counter of each sample, NaN where the sample has none; ``None``: none.
-            fine_counter, sensor: As for the constructor.
+            fine_counter, sensor, reading_lag_s, reading_window_s: As for the constructor.
 
         NaN means no value (as :func:`add_sample` reads NaN readings). Samples with neither
         value are skipped, as :func:`add_sample` skips them; a sample not
@@ -204,7 +218,13 @@ class DeviceHistory(CounterPeriods):
         """
         import numpy as np
 
-        self = cls(key, fine_counter=fine_counter, sensor=sensor)
+        self = cls(
+            key,
+            fine_counter=fine_counter,
+            sensor=sensor,
+            reading_lag_s=reading_lag_s,
+            reading_window_s=reading_window_s,
+        )
         t = np.asarray(t_ns, dtype=np.int64)
         n = len(t)
         nan = np.full(n, np.nan)
@@ -446,7 +466,8 @@ class DeviceHistory(CounterPeriods):
 
         With a counter: an update after ``t_ns`` was observed, and where the period holding
         ``t_ns`` is split with the next period's data (the head model, the sloped split), the
-        update after that. Without: a power sample at or after ``t_ns``.
+        update after that. Without: a power sample at or after ``t_ns`` plus the readings' lag
+        (:attr:`reading_lag_ns`: the readings that describe the power just before ``t_ns``).
         """
         with self._lock:
             ct = self._ct
@@ -461,7 +482,7 @@ class DeviceHistory(CounterPeriods):
                     # The period holding t_ns is split using the next period's head reading.
                     return len(ct) >= 2 and ct[-2] >= t_ns
                 return bool(ct) and ct[-1] >= t_ns
-            return bool(self._pt) and self._pt[-1] >= t_ns
+            return bool(self._pt) and self._pt[-1] >= t_ns + self.reading_lag_ns
 
     def energy(self, t0_ns: int, t1_ns: int) -> EnergyEstimate:
         """Energy over ``[t0_ns, t1_ns]`` from the best source covering it, with the
@@ -498,13 +519,15 @@ class DeviceHistory(CounterPeriods):
         err0, late0 = self._edge_error(t0_ns, estimate.method, begin=True)
         err1, late1 = self._edge_error(t1_ns, estimate.method, begin=False)
         energy, method = estimate.energy_j, estimate.method
+        lag = self._lag_error(t0_ns, t1_ns, method)
         if method.startswith("counter") and energy <= 0 and self._pt and t1_ns > t0_ns:
             power = self._integral(t0_ns, t1_ns)
             if power > 0:
                 energy, method, late0 = power, "integrated", True
+                lag = self._lag_error(t0_ns, t1_ns, method)
         if late0 or late1:
             method += ", late"
-        return EnergyEstimate(energy, method, err0 + err1)
+        return EnergyEstimate(energy, method, err0 + err1 + lag)
 
     def cumulative(self, times: Sequence[int]) -> tuple[list[float], str] | None:
         """Energy from ``times[0]`` to each of ``times`` (sorted), in one pass: the estimator
@@ -584,6 +607,61 @@ class DeviceHistory(CounterPeriods):
             return math.inf
         gaps = sorted(pt[k + 1] - pt[k] for k in range(lo, hi - 1))
         return float(gaps[len(gaps) // 2])
+
+    def _lag_error(self, t0_ns: int, t1_ns: int, method: str) -> float:
+        """What lagged or averaged power readings (:attr:`reading_lag_ns`) leave open in the
+        integrated stretches of ``[t0_ns, t1_ns]`` (J): the whole interval (``integrated``),
+        or its ends outside the counter's coverage (``counter+extrapolated``); 0 without lag.
+
+        A change of the readings between two samples ``t_k < t_{k+1}`` stands for a change
+        of the power at some instant ``tau``; the trapezoid puts it at their midpoint. Where a
+        reading describes power up to ``lag`` before its timestamp, as a mean over ``window``,
+        the change shows up ``d`` after ``tau`` with ``d`` from ``window / 2 - gap / 2`` to
+        ``lag - window / 2 + gap / 2`` (``gap = t_{k+1} - t_k``: where between the two samples
+        it came), and each change moves the stretch's energy by ``dP * d``: the changes in
+        the readings taken from the last one at or before the stretch's start to the first at
+        or after its end plus the lag (those that can describe power inside it), with ``d`` at
+        its worst for rises and falls alike, bound the error. A constant lag leaves the
+        difference of the power at the two ends times the lag (energy that crossed an edge);
+        one that varies from reading to reading (a conversion cycle's sample-and-hold) adds
+        every change times the spread of ``d``.
+        """
+        lag = self.reading_lag_ns
+        pt = self._pt
+        if lag <= 0 or not pt or t1_ns <= t0_ns:
+            return 0.0
+        stretches: list[tuple[float, float]]
+        if method.startswith("integrated"):
+            stretches = [(t0_ns, t1_ns)]
+        elif method.startswith("counter+extrapolated") and len(self._ct) >= 2:
+            lo, hi = max(t0_ns, self._counter_start()), min(t1_ns, self._ct[-1])
+            stretches = [(t0_ns, lo), (hi, t1_ns)]
+        else:
+            return 0.0
+        pw, window = self._pw, self.reading_window_ns
+        d_lo, d_hi = window / 2, lag - window / 2
+        error = 0.0
+        for a, b in stretches:
+            if b <= a:
+                continue
+            i0 = max(bisect.bisect_right(pt, a) - 1, 0)
+            i1 = min(bisect.bisect_left(pt, b + lag), len(pt) - 1)
+            # Worst case for an error upwards (every rise late, every fall early) and downwards.
+            up = down = 0.0
+            for k in range(i0, i1):
+                change = pw[k + 1] - pw[k]
+                if not change:
+                    continue
+                half = (pt[k + 1] - pt[k]) / 2
+                late, early = d_hi + half, d_lo - half
+                if change > 0:
+                    up += change * late
+                    down -= change * early
+                else:
+                    up += change * early
+                    down -= change * late
+            error += max(up, down, 0.0) / 1e9
+        return error
 
     def _edge_error(self, t_ns: int, method: str, *, begin: bool) -> tuple[float, bool]:
         """What the data around one window edge leaves uncertain (J), and whether it came

@@ -405,7 +405,11 @@ class WindowTracker:
             kind, _, num = info.key.partition(":")
             if kind == "gpu":
                 self.gpu_indices.append(int(num))
-                self.histories[info.key] = DeviceHistory(info.key)
+                self.histories[info.key] = DeviceHistory(
+                    info.key,
+                    reading_lag_s=info.power_reading_lag_s,
+                    reading_window_s=info.power_reading_window_s,
+                )
             elif kind == "cpu":
                 self.cpu_packages.append(int(num))
         self.board: PowerBoard | None = None

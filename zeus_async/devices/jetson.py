@@ -445,6 +445,11 @@ class JetsonGpu:
                 energy_counter=False, power_cap=False, clocks=False, per_process=False
             ),
             power_scope=scope,
+            # A reading is the mean power over the INA3221's last completed conversion cycle
+            # (6.6 ms with the mainline driver's defaults), refreshed once a cycle: it
+            # describes power up to two cycles before it is read.
+            power_reading_lag_s=2 * 0.0066,
+            power_reading_window_s=0.0066,
         )
         self.read_power_w()  # fails now, with the file named, rather than at the first tick
         logger.info("%s (%s): power_w from %s", self._key, name, note)

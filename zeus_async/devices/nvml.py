@@ -360,6 +360,11 @@ class NvmlGpu:
                 per_process=True,
             ),
             power_scope=power_scope,
+            # power_w is the instant sensor (NVML_FI_DEV_POWER_INSTANT, or GetPowerUsage where
+            # it is one): as measured on H100s, the mean of the first 25 ms of each 100 ms
+            # period, shown once the period has ended, so up to two periods old.
+            power_reading_lag_s=0.2,
+            power_reading_window_s=0.025,
         )
 
     def _scope_refusal(self, scope: str) -> str | None:

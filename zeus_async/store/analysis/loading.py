@@ -250,8 +250,14 @@ class _Loaded:
         if history is None:
             t = self._column(key, "t_ns")
             if self._where[key].table.kind == "gpu":
+                info = self.device_info().get(key)  # how its power readings lag (issue 37)
                 history = DeviceHistory.from_arrays(
-                    key, t, self._column(key, "power_w"), self._column(key, "energy_j")
+                    key,
+                    t,
+                    self._column(key, "power_w"),
+                    self._column(key, "energy_j"),
+                    reading_lag_s=info.power_reading_lag_s if info else 0.0,
+                    reading_window_s=info.power_reading_window_s if info else 0.0,
                 )
             else:
                 history = DeviceHistory.from_arrays(
