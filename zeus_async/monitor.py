@@ -598,10 +598,7 @@ class Monitor(ClosedOnExit):
         t_ns = time.time_ns()
         try:
             if self._process is not None:
-                result = WindowResult(name, window_id, start_ns, t_ns)
-                result._carbon = self.carbon
-                self._process.expect(result)
-                self._process.send_edge(Edge(False, name, window_id, t_ns))
+                result = self._send_close(name, window_id, start_ns, t_ns)
             elif self._tracker is not None:
                 result = self._tracker.close(name, t_ns=t_ns)
             else:
@@ -928,11 +925,23 @@ class Monitor(ClosedOnExit):
             if cancel:
                 self._process.send_edge(Edge(False, key, window_id, t_ns, cancel=True))
                 return WindowResult.cancelled_result(key, window_id, start_ns, t_ns)
-            # Expected before the edge leaves, so its reply always finds the result.
-            result = WindowResult(key, window_id, start_ns, t_ns)
+            result = self._send_close(key, window_id, start_ns, t_ns)
+        return result
+
+    def _send_close(self, name: str, window_id: int, start_ns: int, t_ns: int) -> WindowResult:
+        """The result of a window the sampler process measures, expected before its closing
+        edge leaves (so its reply always finds it). With a carbon configuration, the edge
+        asks the agent to split the window's energy where the intensity changes, so that the
+        footprint integrates it as in this process (cheap: no network asked)."""
+        assert self._process is not None
+        result = WindowResult(name, window_id, start_ns, t_ns)
+        cuts: list[int] = []
+        if self.carbon is not None:
             result._carbon = self.carbon
-            self._process.expect(result)
-            self._process.send_edge(Edge(False, key, window_id, t_ns))
+            cuts = self.carbon.cuts(start_ns, t_ns)
+            result._cuts = cuts
+        self._process.expect(result)
+        self._process.send_edge(Edge(False, name, window_id, t_ns, cuts=cuts))
         return result
 
     @contextmanager

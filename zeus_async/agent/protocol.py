@@ -112,6 +112,11 @@ class Edge(msgspec.Struct, tag="edge", array_like=True):
     t_ns: int
     restart: bool = False
     cancel: bool = False
+    #: A closing edge of a client with a time-varying carbon intensity: the instants inside
+    #: the window where the intensity may change (``Carbon.cuts``); the agent's reply then
+    #: carries the window's energy split there (:attr:`Reply.pieces`). Each client its own:
+    #: clients of one agent may have different carbon configurations.
+    cuts: list[int] = []
 
 
 class Bye(msgspec.Struct, tag="stop", array_like=True):
@@ -208,6 +213,10 @@ class Reply(msgspec.Struct, omit_defaults=True):
     errno: int | None = None
     #: ``control`` replies to ``job_end`` (the job) and ``jobs`` (every workload known).
     jobs: list[JobReport] = []
+    #: ``measurement`` replies to a window closed with ``cuts``: per piece between the
+    #: window's start, its cuts and its end, the joules of every device it measures and of
+    #: its GPUs only.
+    pieces: list[tuple[float, float]] = []
 
 
 _BUILTIN_ERRORS: dict[str, type[Exception]] = {

@@ -224,6 +224,8 @@ class Agent:
         self.clients: dict[bytes, _Client] = {}
         # Agent-side window id -> (client ident, client's window id, client's name).
         self.windows: dict[int, tuple[bytes, int, str]] = {}
+        # (client ident, client's window id) -> the cuts its closing edge asked for.
+        self.cuts: dict[tuple[bytes, int], list[int]] = {}
         self._ids = itertools.count(1)
         self._serials = itertools.count(1)
         self._leaving: dict[bytes, anyio.Event] = {}
@@ -255,11 +257,20 @@ class Agent:
         if entry is None:
             return
         ident, window_id, name = entry
+        cuts = self.cuts.pop((ident, window_id), None)
         client = self.clients.get(ident)
         if client is None:
             return
+        pieces: list[tuple[float, float]] = []
+        tracker = self.rt.tracker
+        if cuts and tracker is not None:
+            try:
+                points = [m.start_ns, *cuts, m.end_ns]
+                pieces = tracker.energy_pieces(points, client.measured)
+            except Exception:
+                logger.exception("splitting window %r at its carbon cuts failed", name)
         m = client.to_client(msgspec.structs.replace(m, window_id=window_id, name=name))
-        self.send(ident, Reply(kind="measurement", measurement=m))
+        self.send(ident, Reply(kind="measurement", measurement=m, pieces=pieces))
 
     # -- clients ----------------------------------------------------------------------------
 
@@ -586,10 +597,15 @@ class Agent:
                 )
                 self.windows[agent_id] = (ident, msg.id, msg.name)
             else:
+                if msg.cuts and not msg.cancel:
+                    # Before the close: the window may be finalized on the runtime's thread
+                    # at once. Only increasing instants inside the window are kept.
+                    self.cuts[(ident, msg.id)] = sorted(set(msg.cuts))
                 result = tracker.close(key, cancel=msg.cancel, t_ns=msg.t_ns)
                 if msg.cancel:
                     self.windows.pop(result.window_id, None)
         except ValueError as exc:  # the client keeps the books; this is a bug
+            self.cuts.pop((ident, msg.id), None)
             logger.error("bad window edge from %s %r: %s", client.label, msg, exc)
 
     async def reap_dead_clients(self) -> None:

@@ -14,6 +14,8 @@ Without a configuration there are no carbon figures: the location is never guess
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -21,7 +23,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..carbon import CarbonConfig, Footprint, IntensitySource
 
-__all__ = ["Carbon", "CarbonSpec", "RunningFootprint", "sum_footprints"]
+__all__ = [
+    "Carbon",
+    "CarbonSpec",
+    "PiecewiseEnergy",
+    "RunningFootprint",
+    "energy_pieces",
+    "sum_footprints",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +102,14 @@ class Carbon:
             energy_between, t0_ns, t1_ns, self.source, pue=self.pue, overhead=self.overhead
         )
 
+    def cuts(self, t0_ns: int, t1_ns: int) -> list[int]:
+        """Where the intensity may change strictly inside ``(t0_ns, t1_ns)``: the instants at
+        which a window's energy must be split for :meth:`between` to be exact
+        (:func:`~zeus_async.carbon.step_cuts`; no network asked)."""
+        from ..carbon import step_cuts
+
+        return step_cuts(self.source, t0_ns, t1_ns)
+
     def spread(self, energy_j: float, t0_ns: int, t1_ns: int) -> Footprint:
         """The footprint of ``energy_j`` drawn evenly over ``[t0_ns, t1_ns]`` (where only the
         total is known)."""
@@ -133,6 +150,61 @@ def history_energy_between(histories: Iterable[Any]) -> Callable[[int, int], flo
         return total
 
     return energy_between
+
+
+class PiecewiseEnergy:
+    """``energy_between(a, b)`` of an interval known as pieces: ``joules[i]`` drawn over
+    ``[points[i], points[i + 1]]``. Exact between any two of ``points``; inside a piece, its
+    energy is taken as drawn evenly. ``whole`` (when given) is the answer for the whole
+    interval (a window's own figure, as the thread sampler's footprint uses it).
+
+    What a client of an agent integrates: the agent splits the window's energy at the
+    intensity's step boundaries the client sent (:meth:`Carbon.cuts`), and the client's
+    :meth:`Carbon.between` asks for exactly those pieces.
+    """
+
+    __slots__ = ("_cum", "_points", "_whole")
+
+    def __init__(
+        self, points: Sequence[int], joules: Sequence[float], whole: float | None = None
+    ) -> None:
+        if len(points) != len(joules) + 1 or len(points) < 2:
+            raise ValueError(f"{len(points)} points for {len(joules)} pieces")
+        self._points = list(points)
+        cum = [0.0]
+        for e in joules:
+            cum.append(cum[-1] + float(e))
+        self._cum = cum
+        self._whole = whole
+
+    def _at(self, t: int) -> float:
+        points, cum = self._points, self._cum
+        if t <= points[0]:
+            return 0.0
+        if t >= points[-1]:
+            return cum[-1]
+        i = bisect.bisect_right(points, t) - 1
+        a, b = points[i], points[i + 1]
+        return cum[i] + (cum[i + 1] - cum[i]) * (t - a) / (b - a)
+
+    def __call__(self, t0_ns: int, t1_ns: int) -> float:
+        if self._whole is not None and t0_ns <= self._points[0] and t1_ns >= self._points[-1]:
+            return self._whole
+        return self._at(t1_ns) - self._at(t0_ns)
+
+
+def energy_pieces(
+    histories: Iterable[tuple[str, Any]], points: Sequence[int]
+) -> list[tuple[float, float]]:
+    """Per piece ``[points[i], points[i + 1]]``: the joules of every one of ``histories``
+    (``(key, DeviceHistory)``) and of the GPUs among them (keys ``gpu:...``), from the
+    histories as :meth:`WindowTracker._footprints
+    <zeus_async.aggregate.windows.WindowTracker>` integrates them (a device without a figure
+    there counts 0)."""
+    kept = list(histories)
+    every = history_energy_between(h for _, h in kept)
+    gpus = history_energy_between(h for k, h in kept if k.startswith("gpu:"))
+    return [(every(a, b), gpus(a, b)) for a, b in itertools.pairwise(points)]
 
 
 def sum_footprints(parts: Sequence[Footprint]) -> Footprint | None:

@@ -42,7 +42,7 @@ from ..events import (
     WindowOpen,
 )
 from .board import BoardReader, PowerBoard, provisional_measurement
-from .footprints import Carbon, history_energy_between
+from .footprints import Carbon, PiecewiseEnergy, energy_pieces, history_energy_between
 from .history import (
     DeviceHistory,
     EnergyEstimate,
@@ -114,12 +114,14 @@ class WindowResult:
 
     __slots__ = (
         "_carbon",
+        "_cuts",
         "_done",
         "_error",
         "_estimate",
         "_footprints",
         "_measurement",
         "_on_wait",
+        "_pieces",
         "_provisional",
         "cancelled",
         "end_ns",
@@ -154,6 +156,11 @@ class WindowResult:
         # computed here from the totals.
         self._carbon: Carbon | None = None
         self._footprints: tuple[Footprint, Footprint] | None = None
+        # Measured in another process (an agent): where the window was cut for a time-varying
+        # intensity (Carbon.cuts, sent with the closing edge), and the agent's joules of each
+        # piece between them, (every device, GPUs only).
+        self._cuts: list[int] | None = None
+        self._pieces: list[tuple[float, float]] | None = None
 
     @property
     def time(self) -> float:
@@ -291,18 +298,25 @@ class WindowResult:
         pair = self._footprints
         if pair is not None:
             return pair
-        # Only the totals here (a sampler in another process, provisional figures): the
-        # energy spread evenly over the window.
         m = self._current()
         gpu = sum(m.gpu_energy_j.values())
         total = gpu
         for part in (m.cpu_energy_j, m.dram_energy_j):
             if part:
                 total += sum(part.values())
-        pair = (
-            carbon.spread(total, self.start_ns, self.end_ns),
-            carbon.spread(gpu, self.start_ns, self.end_ns),
-        )
+        t0, t1 = self.start_ns, self.end_ns
+        cuts, pieces = self._cuts, self._pieces
+        if m is self._measurement and cuts and pieces and len(pieces) == len(cuts) + 1:
+            # Measured by an agent, which split the energy where the intensity changes: the
+            # intensity weighted by the energy drawn under it, as in this process.
+            points = [t0, *cuts, t1]
+            every = PiecewiseEnergy(points, [p[0] for p in pieces], total)
+            gpus = PiecewiseEnergy(points, [p[1] for p in pieces], gpu)
+            pair = (carbon.between(every, t0, t1), carbon.between(gpus, t0, t1))
+        else:
+            # Only the totals (provisional figures; one intensity over the whole window,
+            # where spreading is exact): the energy spread evenly over the window.
+            pair = (carbon.spread(total, t0, t1), carbon.spread(gpu, t0, t1))
         if m is self._measurement:
             self._footprints = pair
         return pair
@@ -313,9 +327,9 @@ class WindowResult:
         DRAM, as :attr:`total_energy`), with the intensity's source, the PUE and the overhead
         (:class:`~zeus_async.carbon.Footprint`); ``None`` without a carbon configuration or
         for a cancelled window. Provisional while the energy is. A time-varying intensity is
-        integrated against the energy timeline where the window was measured in this process
-        (``sampler="thread"``, ``Runtime``); from a sampler in another process, the window's
-        energy is spread evenly over it."""
+        integrated against the energy timeline, in this process (``sampler="thread"``,
+        ``Runtime``) as in another (the default ``sampler="process"``, a node agent: it
+        splits the window's energy where the intensity changes)."""
         pair = self._footprint_pair()
         return None if pair is None else pair[0]
 
@@ -624,6 +638,14 @@ class WindowTracker:
             # A source that cannot answer (no fallback): the window keeps its energy; reading
             # its footprint tries again and raises there.
             logger.exception("the footprint of window %r failed", result.name)
+
+    def energy_pieces(
+        self, points: Sequence[int], gpus: frozenset[int] | None = None
+    ) -> list[tuple[float, float]]:
+        """Joules between consecutive ``points`` (every device a window on ``gpus`` measures,
+        and its GPUs only), from the histories kept: an agent sends them with a window's
+        figures so that its client integrates a time-varying intensity (runtime thread)."""
+        return energy_pieces(self._measured(gpus), points)
 
     def finalize(self, window_id: int) -> Measurement | None:
         """Finalize closed window ``window_id`` now, with the data there is (replays use it to

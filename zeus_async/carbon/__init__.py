@@ -25,7 +25,7 @@ from ._types import (
 )
 from .config import SOURCES, CarbonConfig
 from .electricitymaps import TOKEN_ENV_VAR, ElectricityMapsIntensity, default_cache_dir
-from .integrate import footprint, footprint_of
+from .integrate import footprint, footprint_of, step_cuts
 from .sources import (
     WORLD,
     ConstantIntensity,
@@ -57,6 +57,7 @@ __all__ = [
     "default_cache_dir",
     "footprint",
     "footprint_of",
+    "step_cuts",
     "table_about",
     "zones",
 ]

@@ -169,6 +169,13 @@ class ElectricityMapsIntensity:
             steps, inner = self.fallback.steps(t0_ns, t1_ns), self.fallback.name
         return steps, f"{self.name} (fallback: {reason}) -> {inner}"
 
+    def cuts(self, t0_ns: int, t1_ns: int) -> list[int]:
+        """The hour boundaries strictly inside ``(t0_ns, t1_ns)``, where the hourly data may
+        change (asks nothing of the network: a window's edges are cut there before its
+        intensity is known)."""
+        first = t0_ns - t0_ns % HOUR_NS + HOUR_NS
+        return list(range(first, t1_ns, HOUR_NS))
+
     # --- internals ------------------------------------------------------------------------
 
     def _steps(self, t0_ns: int, t1_ns: int) -> list[Intensity]:

@@ -12,7 +12,13 @@ from ._types import J_PER_KWH, Footprint, Intensity, IntensitySource
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["check_factors", "footprint", "footprint_of"]
+__all__ = ["MAX_CUTS", "check_factors", "footprint", "footprint_of", "step_cuts"]
+
+#: Most step boundaries :func:`step_cuts` returns for one interval; beyond, none (the caller
+#: then spreads the energy evenly, said in the log once).
+MAX_CUTS = 10_000
+
+_warned_many_cuts = False
 
 
 def check_factors(pue: float, overhead: float) -> None:
@@ -21,6 +27,43 @@ def check_factors(pue: float, overhead: float) -> None:
         raise ConfigError(f"carbon: pue must be a finite number >= 1.0, not {pue!r}")
     if not (math.isfinite(overhead) and overhead >= 0.0):
         raise ConfigError(f"carbon: overhead must be a finite number >= 0.0, not {overhead!r}")
+
+
+def step_cuts(source: IntensitySource, t0_ns: int, t1_ns: int) -> list[int]:
+    """The instants strictly inside ``(t0_ns, t1_ns)`` where ``source``'s intensity (or price)
+    may change: where an energy timeline must be cut for :func:`footprint` to be exact.
+
+    A source with a ``cuts(t0_ns, t1_ns)`` method answers it without the network (Electricity
+    Maps: its hour boundaries); any other, from its :meth:`~IntensitySource.steps`. A source
+    that cannot answer gives none (the footprint, computed later, says why). More than
+    :data:`MAX_CUTS`: none either (a warning, once).
+    """
+    global _warned_many_cuts
+    if t1_ns <= t0_ns:
+        return []
+    own = getattr(source, "cuts", None)
+    try:
+        if callable(own):
+            out = [int(t) for t in own(t0_ns, t1_ns)]
+        else:
+            out = [s.start_ns for s in source.steps(t0_ns, t1_ns) if t0_ns < s.start_ns < t1_ns]
+    except Exception as exc:
+        logger.debug(
+            "carbon source %s gave no steps for [%d, %d]: %s", source.name, t0_ns, t1_ns, exc
+        )
+        return []
+    if len(out) > MAX_CUTS:
+        if not _warned_many_cuts:
+            _warned_many_cuts = True
+            logger.warning(
+                "carbon source %s changes %d times in one interval (more than %d): that "
+                "interval's energy is spread evenly over it",
+                source.name,
+                len(out),
+                MAX_CUTS,
+            )
+        return []
+    return out
 
 
 def _steps_and_name(source: IntensitySource, t0_ns: int, t1_ns: int) -> tuple[list[Intensity], str]:

@@ -190,6 +190,12 @@ class PricedIntensity:
     def steps(self, t0_ns: int, t1_ns: int) -> list[Intensity]:
         return self._priced(self.inner.steps(t0_ns, t1_ns))
 
+    def cuts(self, t0_ns: int, t1_ns: int) -> list[int]:
+        """The inner source's step boundaries (a fixed price changes nothing)."""
+        from .integrate import step_cuts
+
+        return step_cuts(self.inner, t0_ns, t1_ns)
+
     def steps_with_source(self, t0_ns: int, t1_ns: int) -> tuple[list[Intensity], str]:
         with_source = getattr(self.inner, "steps_with_source", None)
         if callable(with_source):

@@ -108,6 +108,7 @@ class OtlpExporter(ClosedOnExit):
         resource: Mapping[str, str] | None = None,
         max_windows: int = 1000,
         headers: Mapping[str, str] | None = None,
+        carbon: Any = None,
     ) -> None:
         if not interval_s > 0:
             raise ConfigError(f"interval_s must be positive, got {interval_s!r}")
@@ -136,6 +137,14 @@ class OtlpExporter(ClosedOnExit):
         self._rapl: dict[tuple[str, int, str], list[float | None]] = {}
         # (host, window) -> device -> [joules total, windows]; least recently finished first.
         self._windows: OrderedDict[tuple[str, str], dict[str, list[float]]] = OrderedDict()
+        # Emissions and cost (a carbon configuration), per GPU and per window name: the
+        # window's [grams, cost or None, currency].
+        self.carbon: Any = None
+        if carbon is not None:
+            from .carbon_counters import CarbonCounters
+
+            self.carbon = CarbonCounters(carbon)
+        self._window_carbon: dict[tuple[str, str], list[Any]] = {}
         # (host, workload key) -> its attributes; -> GPU index -> joules.
         self._workload_info: dict[tuple[str, str], dict[str, str]] = {}
         self._workloads: dict[tuple[str, str], dict[int, float]] = {}
@@ -197,6 +206,31 @@ class OtlpExporter(ClosedOnExit):
             unit="{window}",
             description="Finished windows of a name",
         )
+        if self.carbon is not None:
+            meter.create_observable_counter(
+                "zeus.gpu.co2e",
+                callbacks=[self._carbon_gpu_callback(0)],
+                unit="g",
+                description="Grams CO2-equivalent of the GPU's energy since the exporter started",
+            )
+            meter.create_observable_counter(
+                "zeus.gpu.energy.cost",
+                callbacks=[self._carbon_gpu_callback(1)],
+                unit="{currency}",
+                description="Cost of the GPU's energy since the exporter started",
+            )
+            meter.create_observable_counter(
+                "zeus.window.co2e",
+                callbacks=[self._carbon_window_callback(0)],
+                unit="g",
+                description="Grams CO2-equivalent summed over the finished windows of a name",
+            )
+            meter.create_observable_counter(
+                "zeus.window.energy.cost",
+                callbacks=[self._carbon_window_callback(1)],
+                unit="{currency}",
+                description="Cost of the energy summed over the finished windows of a name",
+            )
         meter.create_observable_counter(
             "zeus.workload.energy",
             callbacks=[self._workload_callback],
@@ -225,6 +259,8 @@ class OtlpExporter(ClosedOnExit):
                         v = getattr(e, field)
                         if v is not None:
                             values[field] = v
+                    if self.carbon is not None:
+                        self.carbon.gpu_sample(e.host, e.gpu, e.t_ns, e.energy_j, e.power_w)
                 elif type(e) is RaplSample:
                     if e.domain in _RAPL_TYPES:
                         row = self._rapl.setdefault((e.host, e.package, e.domain), [None, None])
@@ -260,7 +296,8 @@ class OtlpExporter(ClosedOnExit):
         devices = self._windows.pop(key, None)
         if devices is None:
             if len(self._windows) >= self.max_windows:
-                self._windows.popitem(last=False)
+                gone, _ = self._windows.popitem(last=False)
+                self._window_carbon.pop(gone, None)
                 self.evicted += 1
             devices = {}
         self._windows[key] = devices
@@ -268,6 +305,14 @@ class OtlpExporter(ClosedOnExit):
             slot = devices.setdefault(device, [0.0, 0.0])
             slot[0] += joules
             slot[1] += 1
+        if self.carbon is not None:
+            fp = self.carbon.window(e)
+            if fp is not None:
+                slot = self._window_carbon.setdefault(key, [0.0, None, ""])
+                slot[0] += fp.co2e_g
+                if fp.cost is not None:
+                    slot[1] = (slot[1] or 0.0) + fp.cost
+                    slot[2] = slot[2] or fp.currency
 
     async def run(self, stream: EventBatches | anyio.abc.ObjectReceiveStream[Event]) -> None:
         """Consume ``stream`` until it ends (a runtime consumer, batched or not)."""
@@ -334,6 +379,52 @@ class OtlpExporter(ClosedOnExit):
                 ]
             for host, name, device, value in points:
                 attributes = {"zeus.window": name, "hw.id": device, "host.name": host}
+                yield Observation(value, attributes)
+
+        return observe
+
+    def _carbon_gpu_callback(self, index: int) -> Any:
+        """``zeus.gpu.co2e`` (0) or ``zeus.gpu.energy.cost`` (1): the GPU's attributes, the
+        source's name (``zeus.carbon.source``) and, on the cost, ``zeus.currency``."""
+        from opentelemetry.metrics import Observation
+
+        def observe(options: Any) -> Iterator[Observation]:
+            counters = self.carbon
+            with self._lock:
+                points = [
+                    (host, gpu, c.grams if index == 0 else c.cost, c.currency)
+                    for (host, gpu), c in counters.gpus.items()
+                ]
+            for host, gpu, value, currency in points:
+                if value is None:
+                    continue
+                attributes = {
+                    **self._gpu_attributes(host, gpu),
+                    "zeus.carbon.source": counters.source,
+                }
+                if index == 1:
+                    attributes["zeus.currency"] = currency
+                yield Observation(value, attributes)
+
+        return observe
+
+    def _carbon_window_callback(self, index: int) -> Any:
+        from opentelemetry.metrics import Observation
+
+        def observe(options: Any) -> Iterator[Observation]:
+            with self._lock:
+                points = [(key, list(slot)) for key, slot in self._window_carbon.items()]
+            for (host, name), (grams, cost, currency) in points:
+                value = grams if index == 0 else cost
+                if value is None:
+                    continue
+                attributes = {
+                    "zeus.window": name,
+                    "host.name": host,
+                    "zeus.carbon.source": self.carbon.source,
+                }
+                if index == 1:
+                    attributes["zeus.currency"] = currency
                 yield Observation(value, attributes)
 
         return observe

@@ -57,6 +57,15 @@ they take the AMD Device Metrics Exporter's (``gpu_package_power`` W, ``gpu_ener
 µJ, ``gpu_junction_temperature`` C, ``gpu_clock`` MHz, ``gpu_gfx_activity`` %,
 ``gpu_used_vram`` MB; plus ``gpu_id``, ``card_model`` and ``hostname``), for its dashboards.
 
+With a carbon configuration (``PrometheusExporter(carbon=...)``; a runtime passes its own,
+``Runtime(carbon=...)``), emissions and cost beside the energy
+(:mod:`.carbon_counters`): ``zeus_gpu_co2e_grams_total`` and ``zeus_gpu_energy_cost_total``
+(the GPU's labels plus ``source``, the configured intensity source's name, and ``currency``
+on the cost), each joule charged at the intensity and price in force when it was drawn, since
+the exporter started; and per window name ``zeus_window_co2e_grams_total`` and
+``zeus_window_energy_cost_total`` (``host``, ``window``, ``source``, ``currency``), every
+device's energy of each finished window. A cost series appears once a price is known.
+
 Window names are label values, so they are bounded: at most ``max_windows`` names (the least
 recently finished one makes room), and a name whose last window is older than
 ``window_ttl_s`` of its host's stream time is dropped at the next scrape;
@@ -83,7 +92,7 @@ import errno
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIServer, make_server
 
@@ -111,6 +120,8 @@ from ..runtime.hub import EventBatches, feed_batches
 from .names import DEFAULT_PORT, NAME_SETS
 from .prometheus_families import (
     _AMD_FAMILIES,
+    _CARBON_GPU_FAMILIES,
+    _CARBON_WINDOW_FAMILIES,
     _DCGM_FAMILIES,
     _EXPORTER_FAMILIES,
     _GPU_FAMILIES,
@@ -135,6 +146,9 @@ from .prometheus_families import (
     _Snapshot,
 )
 from .prometheus_server import _MAX_REQUEST_BYTES as _MAX_REQUEST_BYTES
+
+if TYPE_CHECKING:
+    from .carbon_counters import CarbonCounters
 from .prometheus_server import _best_family, _QuietHandler
 from .prometheus_server import _Server as _Server
 
@@ -200,6 +214,7 @@ class PrometheusExporter(ClosedOnExit):
         names: str = "native",
         max_windows: int = 1000,
         window_ttl_s: float = 3600.0,
+        carbon: Any = None,
     ) -> None:
         if not stale_after_s > 0:
             raise ConfigError(f"stale_after_s must be positive, got {stale_after_s!r}")
@@ -228,6 +243,14 @@ class PrometheusExporter(ClosedOnExit):
         # (host, workload key, GPU index) -> its energy counter; (host, key) -> its labels.
         self._workloads: dict[tuple[str, str, int], _Row] = {}
         self._workload_info: dict[tuple[str, str], dict[str, str]] = {}
+        # Emissions and cost (a carbon configuration): per GPU and per window name.
+        self.carbon: CarbonCounters | None = None
+        if carbon is not None:
+            from .carbon_counters import CarbonCounters
+
+            self.carbon = CarbonCounters(carbon)
+        self._gpu_carbon: dict[tuple[str, int], _Row] = {}
+        self._window_carbon: dict[tuple[str, str], _Row] = {}
         self._tables: tuple[tuple[dict[Any, _Row], tuple[_Family, ...]], ...] = (
             (self._gpus, _GPU_NAME_SETS[names]),
             (self._rapl, _RAPL_FAMILIES),
@@ -236,6 +259,15 @@ class PrometheusExporter(ClosedOnExit):
             (self._window_devices, _WINDOW_DEVICE_FAMILIES),
             (self._windows, _WINDOW_FAMILIES),
             (self._workloads, _WORKLOAD_FAMILIES),
+            *(
+                (
+                    (self._gpu_carbon, _CARBON_GPU_FAMILIES),
+                    (self._window_carbon, _CARBON_WINDOW_FAMILIES),
+                )
+                if carbon is not None
+                else ()
+            ),
+            # Last: _evict_stale reads every table before it by host.
             (self._evictions, _EXPORTER_FAMILIES),
         )
         self._own_registry = registry is None
@@ -268,6 +300,8 @@ class PrometheusExporter(ClosedOnExit):
                     for i, v in enumerate(_gpu_values(e)):
                         if v is not None:
                             vals[i] = v
+                    if self.carbon is not None:
+                        self._add_gpu_carbon(e)
                 elif type(e) is ProcessSample:
                     self._add_process(e)
                 elif type(e) is RaplSample:
@@ -326,6 +360,11 @@ class PrometheusExporter(ClosedOnExit):
             row = self._gpus.get(key)
             if row is not None:  # described after its first sample: relabel it
                 row.labels, row.texts = _labels(self._gpu_labels(*key))
+            crow = self._gpu_carbon.get(key)
+            if crow is not None:
+                crow.labels, crow.texts = self._carbon_labels(
+                    self._gpu_labels(*key), crow.labels[1]["currency"]
+                )
 
     def _add_rapl(self, e: RaplSample) -> None:
         key = (e.host, e.package, e.domain)
@@ -380,6 +419,49 @@ class PrometheusExporter(ClosedOnExit):
             drow.t_ns = e.t_ns
             drow.values[0] = joules
             drow.values[1] = (drow.values[1] or 0.0) + joules
+        if self.carbon is not None:
+            self._add_window_carbon(e)
+
+    def _carbon_labels(
+        self, labels: dict[str, str], currency: str
+    ) -> tuple[tuple[dict[str, str], ...], tuple[str, ...]]:
+        assert self.carbon is not None
+        own = {**labels, "source": self.carbon.source}
+        return _labels(own, {**own, "currency": currency})
+
+    def _add_gpu_carbon(self, e: GpuSample) -> None:
+        counters = self.carbon
+        assert counters is not None
+        key = (e.host, e.gpu)
+        counters.gpu_sample(e.host, e.gpu, e.t_ns, e.energy_j, e.power_w)
+        charge = counters.gpus[key]
+        row = self._gpu_carbon.get(key)
+        if row is None or row.labels[1]["currency"] != charge.currency:
+            labels = self._carbon_labels(self._gpu_labels(*key), charge.currency)
+            if row is None:
+                row = self._gpu_carbon[key] = _Row(labels, 2, e.t_ns)
+            row.labels, row.texts = labels
+        row.t_ns = e.t_ns
+        row.values[0] = charge.grams
+        row.values[1] = charge.cost
+
+    def _add_window_carbon(self, e: Measurement) -> None:
+        assert self.carbon is not None
+        fp = self.carbon.window(e)
+        if fp is None:
+            return
+        key = (e.host, e.name)
+        row = self._window_carbon.get(key)
+        currency = fp.currency if fp.cost is not None else ""
+        if row is None or (currency and row.labels[1]["currency"] != currency):
+            labels = self._carbon_labels({"host": e.host, "window": e.name}, currency)
+            if row is None:
+                row = self._window_carbon[key] = _Row(labels, 2, e.t_ns)
+            row.labels, row.texts = labels
+        row.t_ns = e.t_ns
+        row.values[0] = (row.values[0] or 0.0) + fp.co2e_g
+        if fp.cost is not None:
+            row.values[1] = (row.values[1] or 0.0) + fp.cost
 
     def _workload_labels(self, host: str, key: str, gpu: int) -> dict[str, str]:
         labels = {"host": host, "gpu": str(gpu)}
@@ -421,6 +503,7 @@ class PrometheusExporter(ClosedOnExit):
     def _drop_window(self, key: tuple[str, str]) -> None:
         """Forget a window name and its per-device series (counted as evicted)."""
         del self._windows[key]
+        self._window_carbon.pop(key, None)
         for dkey in [k for k in self._window_devices if k[:2] == key]:
             del self._window_devices[dkey]
         self.evicted_windows += 1

@@ -329,6 +329,43 @@ _WINDOW_DEVICE_FAMILIES: Final = (
     ),
 )
 
+# Emissions and cost beside the energy (a runtime with ``carbon``): label variant 0 has the
+# GPU's (or window's) labels and ``source``, variant 1 adds ``currency``.
+_CARBON_GPU_FAMILIES: Final = (
+    _counter(
+        "zeus_gpu_co2e_grams_total",
+        "grams",
+        "Grams CO2-equivalent of the GPU's energy since the exporter started, at the intensity "
+        "in force when each joule was drawn (PUE and overhead applied), in grams.",
+        0,
+    ),
+    _family(
+        "zeus_gpu_energy_cost_total",
+        "counter",
+        "",
+        "Cost of the GPU's energy since the exporter started, at the price in force when each "
+        "joule was drawn (PUE and overhead applied), in the currency labelled.",
+        (1, 1),
+    ),
+)
+_CARBON_WINDOW_FAMILIES: Final = (
+    _counter(
+        "zeus_window_co2e_grams_total",
+        "grams",
+        "Grams CO2-equivalent of every device's energy summed over the finished windows of "
+        "this name (PUE and overhead applied), in grams.",
+        0,
+    ),
+    _family(
+        "zeus_window_energy_cost_total",
+        "counter",
+        "",
+        "Cost of every device's energy summed over the finished windows of this name (PUE and "
+        "overhead applied), in the currency labelled.",
+        (1, 1),
+    ),
+)
+
 _gpu_values = attrgetter(*_GPU_FIELDS)
 _proc_values = attrgetter(*_PROC_FIELDS)
 _proc_gpu_values = attrgetter(*_PROC_GPU_FIELDS)

@@ -336,7 +336,9 @@ class Runtime:
             if self._otlp[0] is not None:
                 from ..exporters.otlp import OtlpExporter
 
-                otlp = OtlpExporter(self._otlp[0], interval_s=self._otlp[1], resource=self._meta)
+                otlp = OtlpExporter(
+                    self._otlp[0], interval_s=self._otlp[1], resource=self._meta, carbon=self.carbon
+                )
                 self._stack.callback(otlp.close)
                 self.start_consumer(otlp.run, batched=True, isolate="OTLP export")
             if self._processes is not None:
@@ -427,7 +429,7 @@ class Runtime:
 
         port, addr = self._prometheus
         assert port is not None
-        exporter = PrometheusExporter(names=self._prometheus_names)
+        exporter = PrometheusExporter(names=self._prometheus_names, carbon=self.carbon)
         self.prometheus_port = exporter.serve(port, addr)
         stack.callback(exporter.close)
         self.exporter = exporter

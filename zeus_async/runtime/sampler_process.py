@@ -532,6 +532,8 @@ class SamplerProcess:
                     result = self._pending.pop(reply.measurement.window_id, None)
                     self._hurried.discard(reply.measurement.window_id)
                 if result is not None:
+                    if reply.pieces:
+                        result._pieces = reply.pieces
                     result._resolve(reply.measurement)
             elif reply.kind == "control":
                 with self._pending_lock:
