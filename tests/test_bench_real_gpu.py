@@ -43,3 +43,48 @@ def test_the_real_gpu_check_reports_every_part_and_restores_the_power_limit(
     # Three phases measured, and the limit in force before is the one left afterwards.
     assert "| minimum | 200 | 200 |" in report
     assert "Limit in force afterwards: 700 W (before: 700 W)" in report
+
+
+def test_the_amd_path_runs_on_sim_amdsmi_and_restores_the_power_cap(tmp_path: Path) -> None:
+    out = tmp_path / "report.md"
+    env = {k: v for k, v in os.environ.items() if k != "ZEUS_ASYNC_SIM"}
+    args = ["--sim", "--backend", "amd", "--seconds", "4", "--phase", "1", "--calls", "20"]
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = out.read_text()
+    assert report.strip() == proc.stdout.strip()
+    for heading in ("## Machine", "## amdsmi call cost", "## Under load", "## Power limit"):
+        assert heading in report
+    assert "NVML" not in report
+    # What the amd backend makes of the simulated MI300X, through the devices API.
+    assert "| GPU | AMD Instinct MI300X |" in report
+    assert "| power scope | socket |" in report
+    assert "power_cap=True, clocks=False" in report
+    assert "| power cap min / default / max W | 400.0 / 750.0 / 750.0 |" in report
+    # Each raw amdsmi call was timed (none refused).
+    for call in ("amdsmi_get_power_info", "amdsmi_get_energy_count", "amdsmi_get_power_cap_info"):
+        assert re.search(rf"\| {call} \| [\d.]+ \| [\d.]+ \|", report), call
+    # MI300: current_socket_power (power_w) only, refreshed every ms by the simulator (the
+    # SMU's socket power): it changes at every 10 ms read.
+    row = re.search(r"\| power_w \| (\d+) \| ([\d.]+) \| (\d+) \|", report)
+    assert row, report
+    assert int(row[1]) >= 20 and row[3] == "10"
+    assert "| avg_power_w |" not in report and "average power (trapezoid)" not in report
+    # The counter (1 ms updates) changes at every 10 ms read; where its start check failed
+    # under the random load, Machine says so and there is no energy_j to read.
+    if "| energy method | counter |" in report:
+        row = re.search(r"\| energy_j \| (\d+) \| ([\d.]+) \| (\d+) \|", report)
+        assert row and row[3] == "10", report
+    else:
+        assert "failed its start check" in report
+    assert "| adaptive reads |" in report and "vs truth: median" in report
+    # The cap at its minimum, then the one in force before, left in force.
+    assert "| minimum | 400 | 400 |" in report
+    assert "Limit in force afterwards: 750 W (before: 750 W)" in report

@@ -34,9 +34,21 @@ is how it is checked on machines without a GPU. It prints a markdown report, als
 For the sampler's CPU against Zeus on the real GPU, run ``bench_sampler.py --real`` (needs
 ``zeus`` installed there).
 
+**AMD** (``--backend amd``; ``nvml`` is the default): the same parts through the devices API
+(``open_devices(backend="amd")``, ``device.read``, the runtimes, ``set_power_limit`` as the
+power cap, set and restored), with what the backend makes of the GPU (energy method and why,
+capabilities, power scope) under Machine and the cost of each raw ``amdsmi`` call the backend
+makes in place of the NVML ones. The load is the same torch script (ROCm builds of torch name
+the GPU ``cuda`` too). On AMD the rows of a power field the GPU lacks (``avg_power_w`` on
+MI300 and later, ``power_w`` before) are left out; ``energy_j`` is absent where the counter
+failed its start check (Machine says so), and then the "energy counter" row is integrated
+power.
+
 Run: ``python bench/hardware/bench_real_gpu.py --out $OUT/real_gpu.md`` on the GPU machine
-(see bench/README.md for the wheels to carry), or
-``.venv/bin/python bench/hardware/bench_real_gpu.py --sim``.
+(see bench/README.md for the wheels to carry; ``--backend amd`` on an AMD one, whose image
+must have ``amdsmi`` and a ROCm torch), or
+``.venv/bin/python bench/hardware/bench_real_gpu.py --sim`` (``--sim --backend amd``: the
+same check over ``zeus_async.testing.sim_amdsmi`` as ``amdsmi``, an MI300X preset).
 """
 
 from __future__ import annotations
@@ -223,6 +235,124 @@ def call_costs(report: Report, device: Any, gpu: int, calls: int) -> None:
     )
 
 
+# -- 1-2 on AMD: machine and amdsmi call cost --------------------------------------------------
+
+
+def _import_amdsmi() -> Any:
+    import amdsmi
+
+    return amdsmi
+
+
+def machine_amd(report: Report, gpu: int) -> Any:
+    """The AMD GPU as amdsmi and the ``amd`` backend see it; returns the opened device."""
+    from zeus_async.devices import open_devices
+
+    smi = _import_amdsmi()
+    smi.amdsmi_init(smi.AmdSmiInitFlags.INIT_AMD_GPUS)
+    opened = open_devices(backend="amd", gpus=[gpu], cpus=None)
+    device = opened.gpus[0]
+    info = device.describe()
+    handle = smi.amdsmi_get_processor_handles()[info.index]
+    lib = smi.amdsmi_get_lib_version()
+    caps = info.capabilities
+    rows: list[list[object]] = [
+        ["GPU", info.name],
+        ["amdsmi library", ", ".join(f"{k} {v}" for k, v in lib.items())],
+        ["GPUs visible (amd-smi)", len(smi.amdsmi_get_processor_handles())],
+        ["HIP index / amd-smi index", f"{gpu} / {info.index}"],
+        [
+            "energy method",
+            info.energy_method + (f" ({info.energy_note})" if info.energy_note else ""),
+        ],
+        [
+            "capabilities",
+            ", ".join(
+                f"{name}={getattr(caps, name)}"
+                for name in ("energy_counter", "power_cap", "clocks", "per_process")
+            )
+            if caps is not None
+            else "not stated",
+        ],
+        ["power scope", info.power_scope],
+        [
+            "power cap min / default / max W",
+            f"{info.power_limit_min_w} / {info.power_limit_default_w} / {info.power_limit_max_w}",
+        ],
+        ["fields the backend reads", ", ".join(device.fields)],
+    ]
+    try:  # the kernel driver, where this amdsmi answers it
+        driver = smi.amdsmi_get_gpu_driver_info(handle)
+        rows.insert(2, ["driver", f"{driver.get('driver_name')} {driver.get('driver_version')}"])
+    except Exception as exc:  # not in every amdsmi version, nor in the simulator
+        rows.insert(2, ["driver", f"not answered ({type(exc).__name__})"])
+    report.add("## Machine\n")
+    report.table(["what", "value"], rows)
+    return device
+
+
+def call_costs_amd(report: Report, device: Any, calls: int) -> None:
+    """CPU and wall µs of each raw amdsmi call the ``amd`` backend makes, and of
+    ``device.read``."""
+    from zeus_async.devices.base import GPU_FIELDS
+
+    smi = _import_amdsmi()
+    handle = smi.amdsmi_get_processor_handles()[device.describe().index]
+    every_field = tuple(f for f in GPU_FIELDS if f in device.fields)
+    neutral = tuple(f for f in FIELDS if f in device.fields)
+    candidates: list[tuple[str, Callable[[], object]]] = [
+        ("amdsmi_get_power_info", lambda: smi.amdsmi_get_power_info(handle)),
+        ("amdsmi_get_energy_count", lambda: smi.amdsmi_get_energy_count(handle)),
+        (
+            "amdsmi_get_temp_metric(HOTSPOT, CURRENT)",
+            lambda: smi.amdsmi_get_temp_metric(
+                handle,
+                smi.AmdSmiTemperatureType.HOTSPOT,
+                smi.AmdSmiTemperatureMetric.CURRENT,
+            ),
+        ),
+        (
+            "amdsmi_get_clock_info(GFX)",
+            lambda: smi.amdsmi_get_clock_info(handle, smi.AmdSmiClkType.GFX),
+        ),
+        ("amdsmi_get_gpu_activity", lambda: smi.amdsmi_get_gpu_activity(handle)),
+        ("amdsmi_get_gpu_vram_usage", lambda: smi.amdsmi_get_gpu_vram_usage(handle)),
+        ("amdsmi_get_power_cap_info", lambda: smi.amdsmi_get_power_cap_info(handle)),
+        (f"zeus_async device.read({neutral[0]})", lambda: device.read(neutral[:1], "h", 0)),
+        (
+            f"zeus_async device.read({', '.join(neutral)})",
+            lambda: device.read(neutral, "h", 0),
+        ),
+        ("zeus_async device.read(all fields)", lambda: device.read(every_field, "h", 0)),
+    ]
+    rows: list[list[object]] = []
+    for name, call in candidates:
+        try:
+            call()
+        except Exception as exc:  # a call the driver refuses is a finding
+            rows.append([name, f"fails: {type(exc).__name__}: {exc}", ""])
+            continue
+        c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+        for _ in range(calls):
+            call()
+        cpu = (time.thread_time_ns() - c0) / calls / 1e3
+        wall = (time.perf_counter_ns() - w0) / calls / 1e3
+        rows.append([name, f"{cpu:.1f}", f"{wall:.1f}"])
+    report.add(f"## amdsmi call cost ({calls} calls back to back, after one warm-up call)\n")
+    report.table(["call", "CPU µs", "wall µs"], rows)
+    spread: list[float] = []
+    for _ in range(min(calls, 100)):
+        c0 = time.thread_time_ns()
+        smi.amdsmi_get_energy_count(handle)
+        spread.append((time.thread_time_ns() - c0) / 1e3)
+        time.sleep(0.01)
+    report.add(
+        f"amdsmi_get_energy_count one call every 10 ms, CPU µs: median "
+        f"{_pct(spread, 0.5):.1f}, p10 {_pct(spread, 0.1):.1f}, p90 {_pct(spread, 0.9):.1f}, "
+        f"max {max(spread):.1f} ({len(spread)} calls)\n"
+    )
+
+
 # -- 3. under load ----------------------------------------------------------------------------
 
 
@@ -262,13 +392,15 @@ def _changes(samples: Sequence[Any], field: str) -> list[int]:
     return times
 
 
-def under_load(report: Report, gpu: int, seconds: float, sim: bool, seed: int) -> None:
+def under_load(
+    report: Report, gpu: int, seconds: float, sim: bool, seed: int, backend: str = "nvml"
+) -> None:
     from zeus_async.runtime import EmbeddedRuntime
 
     every: list[Any] = []
     control: list[Any] = []
     sparse: list[Any] = []
-    common = {"backend": "nvml", "gpus": [gpu], "cpus": None, "period_s": 0.01, "fields": FIELDS}
+    common = {"backend": backend, "gpus": [gpu], "cpus": None, "period_s": 0.01, "fields": FIELDS}
     runtimes = [
         EmbeddedRuntime(**common, consumers=[_collector(every)]),
         EmbeddedRuntime(**common, consumers=[_collector(control)]),
@@ -290,7 +422,10 @@ def under_load(report: Report, gpu: int, seconds: float, sim: bool, seed: int) -
 
     # Refresh periods.
     rows: list[list[object]] = []
+    read = samplers[0].device.fields
     for field in FIELDS:
+        if backend != "nvml" and field not in read:
+            continue  # a power field this GPU lacks (MI300: no average; MI200: no instant)
         times = _changes(every, field)
         gaps = [(b - a) / 1e6 for a, b in itertools.pairwise(times)]
         if len(times) < 3:
@@ -345,6 +480,8 @@ def under_load(report: Report, gpu: int, seconds: float, sim: bool, seed: int) -
         ("instant power (trapezoid)", whole[1], ratios_p),
         ("average power (trapezoid)", whole[2], ratios_a),
     ):
+        if backend != "nvml" and math.isnan(total):
+            continue  # that power field is not read on this GPU
         rows.append(
             [
                 name,
@@ -361,7 +498,7 @@ def under_load(report: Report, gpu: int, seconds: float, sim: bool, seed: int) -
     # Windows as measurement windows compute them, from each series. The two every-tick
     # runtimes sample on grids of their own, so their difference is what sampling at other
     # instants alone changes: the yardstick for adaptive reads.
-    truth = _sim_truth(gpu) if sim else None
+    truth = _sim_truth(gpu, backend, samplers[0].device) if sim else None
     histories = [counter, _history(control, "power_w", True), _history(sparse, "power_w", True)]
     rng = random.Random(seed)
     windows = []
@@ -399,19 +536,27 @@ def _spread(values: Sequence[float], against: Sequence[float]) -> list[str]:
     return [f"{statistics.median(d):.3%}", f"{_pct(d, 0.99):.3%}", f"{max(d):.3%}"]
 
 
-def _sim_truth(gpu: int) -> Callable[[int, int], float] | None:
-    from zeus_async.testing.sim_pynvml import current_node
+def _sim_truth(gpu: int, backend: str, device: Any) -> Callable[[int, int], float] | None:
+    if backend == "amd":
+        from zeus_async.testing.sim_amdsmi import current_node
 
+        index = device.describe().index  # the simulated GPU: amd-smi's index, not HIP's
+    else:
+        from zeus_async.testing.sim_pynvml import current_node
+
+        index = gpu
     node = current_node()
     if node is None:
         return None
-    return lambda t0, t1: node.truth_energy_j(gpu, t0, t1)
+    return lambda t0, t1: node.truth_energy_j(index, t0, t1)
 
 
 # -- 4. power limit ------------------------------------------------------------------------
 
 
-def power_limit(report: Report, device: Any, gpu: int, phase_s: float) -> None:
+def power_limit(
+    report: Report, device: Any, gpu: int, phase_s: float, backend: str = "nvml"
+) -> None:
     from zeus_async.errors import ZeusAsyncError
     from zeus_async.runtime import EmbeddedRuntime
 
@@ -424,7 +569,7 @@ def power_limit(report: Report, device: Any, gpu: int, phase_s: float) -> None:
         return
     samples: list[Any] = []
     rt = EmbeddedRuntime(
-        backend="nvml",
+        backend=backend,
         gpus=[gpu],
         cpus=None,
         period_s=0.01,
@@ -476,8 +621,12 @@ def run(args: argparse.Namespace) -> Report:
     report = Report()
     report.add(f"# zeus_async on {'the simulator' if args.sim else 'a real GPU'}\n")
     report.add(f"`{' '.join(sys.argv)}`, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
-    device = machine(report, args.gpu)
-    call_costs(report, device, args.gpu, args.calls)
+    if args.backend == "amd":
+        device = machine_amd(report, args.gpu)
+        call_costs_amd(report, device, args.calls)
+    else:
+        device = machine(report, args.gpu)
+        call_costs(report, device, args.gpu, args.calls)
     if args.costs_only:
         return report
     load: subprocess.Popen[str] | None = None
@@ -491,11 +640,12 @@ def run(args: argparse.Namespace) -> Report:
         )
         assert load.stdout is not None
         if load.stdout.readline().strip() != "ready":
-            raise SystemExit("the load process did not start (is torch with CUDA installed?)")
+            build = "ROCm" if args.backend == "amd" else "CUDA"
+            raise SystemExit(f"the load process did not start (is torch with {build} installed?)")
     try:
-        under_load(report, args.gpu, args.seconds, args.sim, args.seed)
+        under_load(report, args.gpu, args.seconds, args.sim, args.seed, args.backend)
         if not args.no_power_limit:
-            power_limit(report, device, args.gpu, args.phase)
+            power_limit(report, device, args.gpu, args.phase, args.backend)
     finally:
         if load is not None:
             load.terminate()
@@ -508,6 +658,12 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sim", action="store_true", help="run on the simulator (no GPU needed)")
+    parser.add_argument(
+        "--backend",
+        choices=("nvml", "amd"),
+        default="nvml",
+        help="the GPU's API: nvml (NVIDIA, default) or amd (amdsmi)",
+    )
     parser.add_argument("--gpu", type=int, default=0, help="GPU index (after CUDA_VISIBLE_DEVICES)")
     parser.add_argument("--seconds", type=float, default=30.0, help="length of the load run")
     parser.add_argument("--phase", type=float, default=3.0, help="seconds per power-limit phase")
@@ -521,18 +677,22 @@ def main() -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.sim and not args.child:
-        # Re-run with the simulator installed beneath `pynvml` (as bench_sampler.py does).
+        # Re-run with the simulator installed beneath `pynvml` (as bench_sampler.py does), or
+        # beneath `amdsmi` (an MI300X) for --backend amd.
         from zeus_async.devices.sim import SimConfig
+        from zeus_async.devices.sim_config import sim_preset
         from zeus_async.devices.sim_workload import RandomWorkload
-        from zeus_async.testing.sim_pynvml import shim_env
+        from zeus_async.testing import sim_amdsmi, sim_pynvml
 
-        config = SimConfig(
-            num_gpus=1,
-            seed=args.seed,
-            power_noise_w=3.0,
-            workload=RandomWorkload(seg_min_s=0.05, seg_max_s=0.5),
-        )
-        env = {**os.environ, **shim_env(config)}
+        workload = RandomWorkload(seg_min_s=0.05, seg_max_s=0.5)
+        if args.backend == "amd":
+            amd = sim_preset(
+                "amd", num_gpus=1, seed=args.seed, power_noise_w=3.0, workload=workload
+            )
+            env = {**os.environ, **sim_amdsmi.shim_env(amd)}
+        else:
+            config = SimConfig(num_gpus=1, seed=args.seed, power_noise_w=3.0, workload=workload)
+            env = {**os.environ, **sim_pynvml.shim_env(config)}
         code = subprocess.call([sys.executable, *sys.argv, "--child"], env=env)
         raise SystemExit(code)
     report = run(args)
