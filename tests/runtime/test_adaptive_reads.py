@@ -261,3 +261,40 @@ async def test_adaptive_reads_read_every_tick_when_power_holds_still() -> None:
     # The energy counter moves at each refresh: its reads are skipped as usual.
     assert len(_series(sparse, 0, "energy_j")) < len(_series(full, 0, "energy_j")) / 2
     assert rt.samplers[0].trackers["power_w"].period is None
+
+
+# -- on by default where the energy counter is expensive to read ------------------------------
+
+
+async def _adaptive_per_gpu(config: SimConfig, adaptive_reads: bool | None) -> list[bool]:
+    clock = FakeClock()
+    try:
+        async with Runtime(
+            backend="sim",
+            cpus=None,
+            sim_config=config,
+            clock=clock,
+            adaptive_reads=adaptive_reads,
+        ) as rt:
+            await clock.sleep_until(clock.monotonic_ns() + 50 * MS)
+            return [bool(s.trackers) for s in rt.samplers]
+    finally:
+        sim_pynvml.uninstall()
+
+
+@pytest.mark.anyio
+async def test_adaptive_reads_turn_on_where_reading_the_energy_counter_is_expensive(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from zeus_async.devices.sim_config import H100_DRIVER_580_COSTS, sim_preset
+
+    # Reads cost what a real H100 with driver 580 was measured at: 3.8 ms per energy read.
+    expensive = sim_preset("nvidia", num_gpus=2, **H100_DRIVER_580_COSTS)  # type: ignore[arg-type]
+    with caplog.at_level("INFO", logger="zeus_async.runtime.runtime"):
+        assert await _adaptive_per_gpu(expensive, None) == [True, True]
+    assert "reading its energy counter costs 3." in caplog.text
+    # Asked for explicitly, either way, it is as asked.
+    assert await _adaptive_per_gpu(expensive, False) == [False, False]
+    # Free reads (the simulator's default): every tick, as before.
+    assert await _adaptive_per_gpu(SimConfig(num_gpus=2), None) == [False, False]
+    assert await _adaptive_per_gpu(SimConfig(num_gpus=2), True) == [True, True]

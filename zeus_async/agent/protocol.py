@@ -46,7 +46,8 @@ class AgentConfig(msgspec.Struct, frozen=True):
     cpus: list[int] | None = None
     period_s: float = 0.01
     fields: dict[str, float | None] | None = None
-    adaptive_reads: bool = False
+    #: ``None``: on where the energy counter is expensive to read (see ``Runtime``).
+    adaptive_reads: bool | None = None
     #: NVIDIA GPUs' power scope (``gpu``, ``module``, ``auto``: :mod:`zeus_async.devices.nvml`).
     power_scope: str = "gpu"
     publish: str | None = None

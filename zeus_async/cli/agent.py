@@ -55,7 +55,12 @@ def add_parsers(sub: Any) -> None:
     agt.add_argument("--backend", type=backend_arg, default="auto", help=BACKEND_HELP)
     add_power_scope_arg(agt)
     agt.add_argument("--period", type=period, default=0.01, help="sampling period (s, >= 0.001)")
-    agt.add_argument("--adaptive", action="store_true", help="adaptive reads (see monitor)")
+    agt.add_argument(
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="adaptive reads (see monitor; default: where the energy counter is expensive)",
+    )
     agt.add_argument("--publish", metavar="ENDPOINT", help="also publish on a ZeroMQ endpoint")
     add_server_curve_args(agt)
     agt.add_argument("--record", metavar="FILE", help="also record every event to FILE")

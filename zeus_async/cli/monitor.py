@@ -73,8 +73,10 @@ def add_parsers(sub: Any) -> None:
     mon.add_argument("--period", type=period, default=0.01, help="sampling period (s, >= 0.001)")
     mon.add_argument(
         "--adaptive",
-        action="store_true",
-        help="skip power/energy reads that can only repeat the last value (same integrals)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="skip power/energy reads that can only repeat the last value (same integrals); "
+        "default: on where the energy counter is expensive to read",
     )
     mon.add_argument("--publish", metavar="ENDPOINT", help="also publish on a ZeroMQ endpoint")
     add_server_curve_args(mon)

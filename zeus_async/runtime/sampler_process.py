@@ -108,7 +108,7 @@ class SamplerProcess:
         cpus: Sequence[int] | None = None,
         period_s: float = 0.01,
         fields: Mapping[str, float | None] | None = None,
-        adaptive_reads: bool = False,
+        adaptive_reads: bool | None = None,
         publish: str | None = None,
         log_file: str | os.PathLike[str] | None = None,
         finalize_timeout_s: float = 0.5,
