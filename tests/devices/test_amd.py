@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 
 import anyio
+import msgspec
 import pytest
 
 from zeus_async.clock import FakeClock
@@ -17,7 +18,7 @@ from zeus_async.devices import amd
 from zeus_async.devices.amd import AmdGpu, hip_visible, open_amd_gpus
 from zeus_async.devices.sim import SimNode
 from zeus_async.devices.sim_config import AmdSim, SimConfig, sim_preset
-from zeus_async.devices.sim_workload import ConstantWorkload
+from zeus_async.devices.sim_workload import ConstantWorkload, SquareWorkload
 from zeus_async.errors import ConfigError, NoPermissionError, NotSupportedError
 from zeus_async.events import Capabilities, GpuSample
 from zeus_async.testing import sim_amdsmi
@@ -104,8 +105,9 @@ def test_a_wrong_counter_is_caught_at_start(clock: FakeClock, fault: str, scale:
     before = clock.wall_ns()
     real = time.perf_counter()
     _, gpus = open_sim(config(counter_fault=fault, counter_scale=scale, faulty_gpus=(2,)), clock)
-    # The check waited on the simulator's clock, not for real.
-    assert clock.wall_ns() - before == round(amd.CHECK_S * 1e9)
+    # The check waited on the simulator's clock, not for real: once, then once more for the
+    # counter that failed.
+    assert clock.wall_ns() - before == amd.CHECK_TRIES * round(amd.CHECK_S * 1e9)
     assert time.perf_counter() - real < 1.0
     info = gpus[2].describe()
     assert info.energy_method == "integrated-power"
@@ -119,6 +121,51 @@ def test_a_wrong_counter_is_caught_at_start(clock: FakeClock, fault: str, scale:
         "integrated-power",
         "counter",
     ]
+
+
+@pytest.mark.parametrize("period_s", [0.37, 0.05, 0.013])
+def test_the_start_check_follows_a_changing_load(period_s: float) -> None:
+    """A square-wave load changes inside the check: every healthy counter passes whatever the
+    phase of the wave at start, and every stuck or scaled one fails (issue 37: comparing with
+    the power at the check's ends rejected 3 of 6 healthy MI300X counters)."""
+    faults = [("stuck", 1.0), ("scaled", 0.01), ("scaled", 40.0), ("scaled", 0.3), ("scaled", 3.0)]
+    phases = 10
+    for k in range(phases):
+        fault, scale = faults[k % len(faults)]
+        cfg = config(counter_fault=fault, counter_scale=scale, faulty_gpus=(1, 3))
+        cfg = msgspec.structs.replace(
+            cfg,
+            workload=SquareWorkload(
+                period_s=period_s, duty=0.5, high=1.0, low=0.0, phase_s=k * period_s / phases
+            ),
+        )
+        clock = FakeClock(wall_start_ns=START + k * 7 * MS)
+        before = clock.wall_ns()
+        try:
+            _, gpus = open_sim(cfg, clock)
+            methods = [g.describe().energy_method for g in gpus]
+            assert methods == ["counter", "integrated-power", "counter", "integrated-power"], (
+                k,
+                fault,
+                scale,
+                [g.describe().energy_note for g in gpus],
+            )
+            # Healthy counters passed the first time; the faulty ones were checked twice.
+            assert clock.wall_ns() - before == amd.CHECK_TRIES * round(amd.CHECK_S * 1e9)
+            for g in gpus:
+                g.close()
+        finally:
+            sim_amdsmi.uninstall()
+
+
+def test_healthy_counters_are_checked_once(clock: FakeClock) -> None:
+    cfg = msgspec.structs.replace(
+        config(), workload=SquareWorkload(period_s=0.05, duty=0.5, high=1.0, low=0.0)
+    )
+    before = clock.wall_ns()
+    _, gpus = open_sim(cfg, clock)
+    assert all(g.describe().energy_method == "counter" for g in gpus)
+    assert clock.wall_ns() - before == round(amd.CHECK_S * 1e9)
 
 
 def test_a_counter_within_range_passes(clock: FakeClock) -> None:

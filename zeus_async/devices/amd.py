@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import itertools
 import logging
 import math
 import os
@@ -77,6 +78,13 @@ logger = logging.getLogger(__name__)
 
 #: Seconds of the node's time the energy counter is compared with power at start.
 CHECK_S: Final = 0.1
+#: Power readings over the check (one every ``CHECK_S / CHECK_STEPS`` s, the ends included),
+#: integrated (trapezoid) into the energy the counter is compared with: a load that changes
+#: inside the check (a square wave, a kernel starting) is followed, not taken from its ends.
+CHECK_STEPS: Final = 20
+#: A counter that fails is checked again, this many times in all, before it is given up
+#: (a healthy one passes the first time; a stuck or scaled one fails every time).
+CHECK_TRIES: Final = 2
 #: The counter passes its check when it counted this fraction of integrated power.
 CHECK_RANGE: Final = (0.5, 2.0)
 #: The first library version that is thread-safe (ROCm 7.2).
@@ -356,36 +364,54 @@ class AmdGpu:
         ticks = d["energy_accumulator"] if "energy_accumulator" in d else d["power"]  # < 6.2.1
         return float(ticks) * float(d["counter_resolution"]) / 1e6
 
-    def _check_begin(self) -> tuple[float, float | None] | None:
+    def _check_begin(self) -> float | None:
+        """The counter (J) at the start of the check; ``None``: no counter to check."""
         if "energy_j" in self._unsupported:
             return None
-        return self._raw_energy_j(), self._power_now()
+        return self._raw_energy_j()
 
-    def _check_end(self, begin: tuple[float, float | None], seconds: float) -> None:
-        """Judge the counter over the check: ``begin`` (counter, power) and now."""
-        e0, p0 = begin
+    def _check_end(self, e0: float, powers: Sequence[tuple[float, float]], last: bool) -> bool:
+        """Judge the counter over the check: ``e0`` the counter at its start, ``powers`` the
+        ``(seconds, W)`` readings across it (its ends included), read again now. Whether it
+        passed; a failure is final only on the ``last`` try."""
         counted = self._raw_energy_j() - e0
-        p1 = self._power_now()
-        powers = [p for p in (p0, p1) if p is not None]
-        expected = sum(powers) / len(powers) * seconds if powers else 0.0
-        if expected < 1e-3:
+        seconds = powers[-1][0] - powers[0][0] if len(powers) > 1 else 0.0
+        expected = sum(
+            (p0 + p1) / 2 * (t1 - t0) for (t0, p0), (t1, p1) in itertools.pairwise(powers)
+        )
+        if len(powers) < 2 or expected < 1e-3:
             if counted <= 0.0:  # no power and no energy: a die that reports nothing
                 self.counter_ok = False
                 self.note = "reports neither power nor energy"
             else:
                 self.note = "no power reading to check the energy counter against"
             self._update_fields()
-            return
+            return True
         ratio = counted / expected
-        if not CHECK_RANGE[0] <= ratio <= CHECK_RANGE[1]:
-            self.counter_ok = False
-            self.note = (
-                f"the energy counter failed its start check (it counted {counted:.3f} J over "
-                f"{seconds:g} s at {sum(powers) / len(powers):.0f} W, {ratio:.2f}x "
-                "integrated power; ROCm/amdsmi#38): integrated power"
+        if CHECK_RANGE[0] <= ratio <= CHECK_RANGE[1]:
+            self.counter_ok = True
+            self.note = ""
+            self._update_fields()
+            return True
+        if not last:
+            logger.info(
+                "%s: the energy counter counted %.3f J against %.3f J of integrated power "
+                "(%.2fx): checking it again",
+                self._key,
+                counted,
+                expected,
+                ratio,
             )
-            logger.warning("%s (%s): %s", self._key, self._name, self.note)
+            return False
+        self.counter_ok = False
+        self.note = (
+            f"the energy counter failed its start check (it counted {counted:.3f} J over "
+            f"{seconds:.3g} s against {expected:.3f} J of integrated power, {ratio:.2f}x; "
+            "ROCm/amdsmi#38): integrated power"
+        )
+        logger.warning("%s (%s): %s", self._key, self._name, self.note)
         self._update_fields()
+        return False
 
     # -- sampling -----------------------------------------------------------------------------
 
@@ -582,15 +608,42 @@ def _sleeper(smi: ModuleType) -> Callable[[float], None]:
     return fn if callable(fn) else time.sleep
 
 
+def _timer(smi: ModuleType) -> Callable[[], float]:
+    """The check's time (s): the simulator's clock where the module is the simulator, else
+    the monotonic clock."""
+    import time
+
+    fn = getattr(smi, "zeus_async_monotonic", None)
+    return fn if callable(fn) else time.monotonic
+
+
 def _check_counters(gpus: list[AmdGpu], smi: ModuleType) -> None:
-    """The start check of every GPU's counter, over one shared wait of :data:`CHECK_S`."""
-    begins = [g._check_begin() for g in gpus]
-    if not any(b is not None for b in begins):
-        return
-    _sleeper(smi)(CHECK_S)
-    for gpu, begin in zip(gpus, begins, strict=True):
-        if begin is not None:
-            gpu._check_end(begin, CHECK_S)
+    """The start check of every GPU's counter over one shared wait of :data:`CHECK_S`: the
+    counter's change against power read :data:`CHECK_STEPS` times across the wait and
+    integrated; a counter that fails is checked again (:data:`CHECK_TRIES` in all)."""
+    sleep, now = _sleeper(smi), _timer(smi)
+    step = CHECK_S / CHECK_STEPS
+    pending = list(gpus)
+    for attempt in range(CHECK_TRIES):
+        begins = [(g, g._check_begin()) for g in pending]
+        checked = [(g, e0) for g, e0 in begins if e0 is not None]
+        if not checked:
+            return
+        powers: dict[int, list[tuple[float, float]]] = {id(g): [] for g, _ in checked}
+
+        start = now()
+        for k in range(CHECK_STEPS + 1):
+            wait = start + k * step - now()
+            if k and wait > 0:
+                sleep(wait)
+            for gpu, _ in checked:
+                p = gpu._power_now()
+                if p is not None:
+                    powers[id(gpu)].append((now(), p))
+        last = attempt == CHECK_TRIES - 1
+        pending = [g for g, e0 in checked if not g._check_end(e0, powers[id(g)], last)]
+        if not pending:
+            return
 
 
 def _pair_dies(gpus: list[AmdGpu], every: Mapping[int, AmdGpu]) -> None:

@@ -258,6 +258,15 @@ def zeus_async_sleep(seconds: float) -> None:
         time.sleep(seconds)
 
 
+def zeus_async_monotonic() -> float:
+    """Seconds on the simulated node's clock (not in amdsmi: the backend's start check times
+    its power readings with it, so that on a ``FakeClock`` they are where its waits put them)."""
+    node = _node
+    if node is not None:
+        return node.clock.monotonic_ns() / 1e9
+    return time.monotonic()
+
+
 class _Call:
     """Enter one library call: counts overlapping calls, burns the call latency."""
 
