@@ -46,6 +46,7 @@ from typing import Any, Literal, cast
 from ._exit import ClosedOnExit, call_at_exit
 from .aggregate.footprints import Carbon, sum_footprints
 from .aggregate.windows import WindowResult, WindowTracker, next_window_id, pop_open_window
+from .carbon import CarbonConfig
 from .errors import ConfigError
 from .events import DeviceInfo, Event
 from .model_complexity import ModelComplexity, model_complexity
@@ -524,6 +525,7 @@ class Monitor(ClosedOnExit):
                 prometheus_names=args["prometheus_names"],
                 otlp=otlp,
                 otlp_interval_s=args["otlp_interval_s"],
+                carbon=self._agent_carbon(prometheus_port is not None or otlp is not None),
                 **runtime_options,
             )
             self._prometheus_port = self._process.prometheus_port
@@ -929,6 +931,19 @@ class Monitor(ClosedOnExit):
                 return WindowResult.cancelled_result(key, window_id, start_ns, t_ns)
             result = self._send_close(key, window_id, start_ns, t_ns)
         return result
+
+    def _agent_carbon(self, exporting: bool) -> CarbonConfig | None:
+        """The carbon configuration a private agent's exporters get: this monitor's, when it
+        exports from the agent (Prometheus, OTLP) and the configuration can travel (a
+        :class:`~zeus_async.carbon.CarbonConfig`, not an opened source object)."""
+        if not exporting or self.carbon is None:
+            return None
+        if self.carbon.config is None:
+            logger.warning(
+                "the agent's exporters get no carbon configuration from an intensity source "
+                "object (give Monitor(carbon=CarbonConfig(...))): no CO2e series there"
+            )
+        return self.carbon.config
 
     def _send_close(self, name: str, window_id: int, start_ns: int, t_ns: int) -> WindowResult:
         """The result of a window the sampler process measures, expected before its closing

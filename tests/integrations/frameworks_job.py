@@ -1,10 +1,12 @@
 """A tiny training run (a rank of a job, or alone) with zeus_async's framework callbacks.
 
-    python frameworks_job.py hf|lightning [optimizer] [late]
+    python frameworks_job.py hf|lightning [optimizer] [late] [carbon]
 
 Trains a linear model built in code (no downloads) for 24 steps, logging every 4, with the
 energy callback and, with ``optimizer``, the power-limit optimizer's callback on the same
 monitor (3 limits, 4 steps each), built before the process group or (``late``, HF) after it.
+With ``carbon``, the energy callback makes its own monitor with a carbon configuration
+(:data:`CARBON`) and an ``emissions.csv``, whose rows are printed too.
 Prints one JSON line: what the framework logged, and the
 optimizer's measurements and choice.
 """
@@ -24,6 +26,27 @@ from zeus_async import Monitor
 
 STEPS, EVERY = 24, 4
 LATE = "late" in sys.argv[2:]
+WITH_CARBON = "carbon" in sys.argv[2:]
+#: The carbon configuration of ``carbon`` runs (as a mapping: msgspec.convert'ed in the job).
+CARBON = {
+    "source": "constant",
+    "g_per_kwh": 300.0,
+    "price_per_kwh": 0.25,
+    "currency": "EUR",
+    "pue": 1.5,
+}
+EMISSIONS = os.path.join(tempfile.mkdtemp(), "emissions.csv")
+
+
+def energy_callback(module: Any, monitor: Monitor) -> Any:
+    if not WITH_CARBON:
+        return module.EnergyCallback(monitor)
+    from zeus_async.carbon import CarbonConfig
+
+    config = msgspec.convert(CARBON, CarbonConfig)
+    return module.EnergyCallback(carbon=config, emissions_file=EMISSIONS)
+
+
 GROUP_AT_BUILD: list[bool] = []
 OPTIMIZER = {"wait_steps": 1, "warmup_steps": 1, "profile_steps": 2, "pl_step": 250}
 
@@ -37,7 +60,8 @@ def data() -> torch.utils.data.TensorDataset:
 def hf(monitor: Monitor, optimizer: bool) -> tuple[list[dict[str, Any]], Any]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from zeus_async.integrations.hf import EnergyCallback, HFGlobalPowerLimitOptimizer
+    from zeus_async.integrations import hf as module
+    from zeus_async.integrations.hf import HFGlobalPowerLimitOptimizer
 
     class Tiny(torch.nn.Module):
         def __init__(self) -> None:
@@ -79,7 +103,7 @@ def hf(monitor: Monitor, optimizer: bool) -> tuple[list[dict[str, Any]], Any]:
     # The optimizer built before the arguments (which set up the process group) or after.
     args = arguments() if LATE else None
     GROUP_AT_BUILD.append(torch.distributed.is_initialized())
-    callbacks: list[Any] = [Seen(), EnergyCallback(monitor)]
+    callbacks: list[Any] = [Seen(), energy_callback(module, monitor)]
     opt = HFGlobalPowerLimitOptimizer(monitor, **OPTIMIZER) if optimizer else None
     if opt is not None:
         callbacks.append(opt)
@@ -94,7 +118,8 @@ def hf(monitor: Monitor, optimizer: bool) -> tuple[list[dict[str, Any]], Any]:
 def lightning(monitor: Monitor, optimizer: bool) -> tuple[list[dict[str, Any]], Any]:
     import lightning as L
 
-    from zeus_async.integrations.lightning import EnergyCallback, LightningPowerLimitOptimizer
+    from zeus_async.integrations import lightning as module
+    from zeus_async.integrations.lightning import LightningPowerLimitOptimizer
 
     class Tiny(L.LightningModule):
         def __init__(self) -> None:
@@ -112,7 +137,7 @@ def lightning(monitor: Monitor, optimizer: bool) -> tuple[list[dict[str, Any]], 
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     GROUP_AT_BUILD.append(torch.distributed.is_initialized())  # Lightning: in fit()
-    callbacks: list[Any] = [EnergyCallback(monitor)]
+    callbacks: list[Any] = [energy_callback(module, monitor)]
     opt = LightningPowerLimitOptimizer(monitor, **OPTIMIZER) if optimizer else None
     if opt is not None:
         callbacks.append(opt)
@@ -144,6 +169,9 @@ def main() -> None:
             "history": history,
             "group_at_build": GROUP_AT_BUILD[0] if GROUP_AT_BUILD else False,
         }
+        if WITH_CARBON:
+            with open(EMISSIONS) as f:
+                out["emissions"] = f.read()
         if opt is not None:
             out["optimal"] = opt.wait_done(timeout=20)
             out["measurements"] = msgspec.to_builtins(opt.measurements)

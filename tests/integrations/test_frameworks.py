@@ -61,6 +61,8 @@ def test_hf_logs_carry_energy_for_every_integration() -> None:
     assert "train_runtime" in final
     assert final["train_gpu_energy_j"] >= steps[-1]["gpu_energy_total_j"]
     assert final["train_gpu_power_w"] == pytest.approx(4 * IDLE_W, rel=0.02)
+    # No carbon configuration: no carbon figures.
+    assert not any("co2e" in k or "cost" in k for e in out["history"] for k in e)
 
 
 def test_lightning_logged_metrics_carry_energy() -> None:
@@ -70,6 +72,60 @@ def test_lightning_logged_metrics_carry_energy() -> None:
     assert 0 < logged["gpu_energy_j"] < logged["gpu_energy_total_j"]
     assert final["train_gpu_energy_j"] >= logged["gpu_energy_total_j"]
     assert final["train_gpu_power_w"] == pytest.approx(4 * IDLE_W, rel=0.02)
+
+
+KWH = 3.6e6
+G, PRICE, PUE = 300.0, 0.25, 1.5  # frameworks_job.CARBON
+
+
+def _grams(joules: float) -> float:
+    return joules * PUE * G / KWH
+
+
+def _check_emissions(csv_text: str, train_j: float) -> None:
+    import csv
+    import io
+
+    from zeus_async.store.emissions_csv import CODECARBON_COLUMNS
+
+    rows = list(csv.reader(io.StringIO(csv_text)))
+    assert tuple(rows[0]) == CODECARBON_COLUMNS and len(rows) == 2
+    row = dict(zip(rows[0], rows[1], strict=True))
+    # The monitor's whole life (CPU and DRAM too where present): at least the training's GPUs.
+    assert float(row["emissions"]) * 1000 >= _grams(train_j) * 0.99  # kg
+    assert float(row["emissions_rate"]) > 0
+
+
+def test_hf_logs_carry_co2e_and_cost_beside_the_energy() -> None:
+    """The callback makes its monitor with a carbon configuration (constant 300 g/kWh at
+    0.25 EUR/kWh, PUE 1.5): every interval's grams and cost are its GPU energy times them, and
+    the run's ``emissions.csv`` (CodeCarbon's columns) is written, as ``report_to="codecarbon"``
+    would."""
+    (out,) = _run("hf", "carbon")
+    steps = [e for e in out["history"] if "loss" in e]
+    assert len(steps) == 6
+    for e in steps:
+        assert e["gpu_co2e_g"] == pytest.approx(_grams(e["gpu_energy_j"]), rel=1e-3)
+        assert e["gpu_cost"] == pytest.approx(e["gpu_co2e_g"] / G * PRICE, rel=1e-9)
+        assert e["gpu_co2e_total_g"] == pytest.approx(_grams(e["gpu_energy_total_j"]), rel=1e-3)
+        assert e["gpu_cost_total"] == pytest.approx(e["gpu_co2e_total_g"] / G * PRICE, rel=1e-9)
+    final = out["history"][-1]
+    assert final["train_gpu_co2e_g"] == pytest.approx(_grams(final["train_gpu_energy_j"]), rel=1e-3)
+    assert final["train_gpu_cost"] == pytest.approx(final["train_gpu_co2e_g"] / G * PRICE, rel=1e-9)
+    _check_emissions(out["emissions"], final["train_gpu_energy_j"])
+
+
+def test_lightning_logged_metrics_carry_co2e_and_cost() -> None:
+    (out,) = _run("lightning", "carbon")
+    logged, final = out["history"]
+    assert logged["gpu_co2e_g"] == pytest.approx(_grams(logged["gpu_energy_j"]), rel=1e-3)
+    assert logged["gpu_co2e_total_g"] == pytest.approx(
+        _grams(logged["gpu_energy_total_j"]), rel=1e-3
+    )
+    assert logged["gpu_cost"] == pytest.approx(logged["gpu_co2e_g"] / G * PRICE, rel=1e-6)
+    assert final["train_gpu_co2e_g"] == pytest.approx(_grams(final["train_gpu_energy_j"]), rel=1e-3)
+    assert final["train_gpu_cost"] == pytest.approx(final["train_gpu_co2e_g"] / G * PRICE, rel=1e-6)
+    _check_emissions(out["emissions"], final["train_gpu_energy_j"])
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from typing import Literal
 import msgspec
 
 from .. import errors
+from ..carbon import CarbonConfig
 from ..events import DeviceInfo, Event, Measurement
 from ..runtime.processes import ProcessTracking
 
@@ -90,6 +91,10 @@ class AgentConfig(msgspec.Struct, frozen=True):
     k8s_socket: str | None = None
     #: How long an ended workload's figures stay exported (seconds).
     workload_expire_s: float = 300.0
+    #: A private agent's carbon configuration, for the CO2e and cost series of its exporters
+    #: (``prometheus_port``, ``otlp``): its owner's ``Monitor(carbon=...)``. A node agent
+    #: keeps none (its clients each have their own; it ignores one given, with a warning).
+    carbon: CarbonConfig | None = None
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True):

@@ -751,6 +751,20 @@ async def _tell_owner(router: Any, dec: msgspec.msgpack.Decoder[Any], exc: BaseE
                     return
 
 
+def _carbon(cfg: AgentConfig) -> Any:
+    """A private agent's carbon configuration (its exporters' CO2e and cost series); a node
+    agent keeps none: its clients each integrate their own (``Edge.cuts``)."""
+    if cfg.carbon is None:
+        return None
+    if not cfg.owner_pid:
+        logger.warning(
+            "a node agent keeps no carbon configuration (its clients each have their own): "
+            "the one given is ignored"
+        )
+        return None
+    return cfg.carbon
+
+
 def _publish_curve(cfg: AgentConfig) -> Any:
     if cfg.publish_curve_secret is None:
         return None
@@ -801,6 +815,7 @@ async def _run_runtime(
         otlp=cfg.otlp,
         otlp_interval_s=cfg.otlp_interval_s,
         host=cfg.host,
+        carbon=_carbon(cfg),
     )
     if workloads is not None:
         workloads.runtime = runtime

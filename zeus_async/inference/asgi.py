@@ -15,11 +15,17 @@ The app reports token counts by setting ``scope["state"]["tokens"] = (tokens_in,
 and an app may name them per request in ``scope["state"]["gpus"]``.
 
 With ``energy_header``, the response's headers wait until the request is attributed (at most
-``header_wait_s``), then carry ``x-energy-joules`` and ``x-energy-method``: the energy is known
+``header_wait_s``), then carry ``x-energy-joules`` and ``x-energy-method`` (and, when the meter
+has a carbon configuration, ``x-energy-co2e-grams``): the energy is known
 only once the request has ended and the GPU's readings cover it, so the response is held back
 (its body is buffered) for that long. Without it, responses pass through untouched and every
 response carries ``x-energy-request-id``, the id the request's figures are settled under
 (:meth:`RequestMeter.results`, the Prometheus histograms, the events).
+
+A request's figures are labelled with its route and model for the Prometheus CO2e counters:
+the route is ``scope["state"]["route"]`` when the app sets it, else the matched route's
+template (FastAPI's ``scope["route"].path``), never the raw path; the model is
+``scope["state"]["model"]`` (``request.state.model = "llama-3-8b"``).
 """
 
 from __future__ import annotations
@@ -95,7 +101,14 @@ class EnergyMiddleware:
                 return
             ended = True
             tokens_in, tokens_out = state.get("tokens", (0, 0))
-            self.meter.end(rid, tokens_in=int(tokens_in), tokens_out=int(tokens_out))
+            route = state.get("route") or getattr(scope.get("route"), "path", "")
+            self.meter.end(
+                rid,
+                tokens_in=int(tokens_in),
+                tokens_out=int(tokens_out),
+                route=str(route or ""),
+                model=str(state.get("model") or ""),
+            )
 
         async def metered_send(message: Message) -> None:
             nonlocal chunks
@@ -136,6 +149,9 @@ class EnergyMiddleware:
         else:
             headers.append((b"x-energy-joules", f"{figure.energy_j:.6g}".encode()))
             headers.append((b"x-energy-method", figure.method.encode()))
+            if figure.footprint is not None:
+                co2e = f"{figure.footprint.co2e_g:.6g}"
+                headers.append((b"x-energy-co2e-grams", co2e.encode()))
         body = b"".join(bytes(m.get("body", b"")) for m in held[1:])
         await send({**start, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -35,9 +35,12 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..carbon import Footprint
 
 __all__ = [
     "POLICIES",
@@ -122,6 +125,10 @@ class RequestEnergy:
         time_s: Its duration.
         method: How it was obtained: the policy, and the energy estimator's method.
         begin_ns, end_ns, decode_ns: Its edges (wall-clock ns).
+        footprint: Its emissions and cost, when the meter has a carbon configuration
+            (``RequestMeter(carbon=...)``): the intensity in force at each instant weighted by
+            the energy attributed to the request then; ``None`` otherwise.
+        route, model: Labels the server gave at its end (``RequestMeter.end``), ``""`` if none.
     """
 
     request_id: str
@@ -136,11 +143,24 @@ class RequestEnergy:
     begin_ns: int = 0
     end_ns: int = 0
     decode_ns: int | None = None
+    footprint: Footprint | None = None
+    route: str = ""
+    model: str = ""
 
     @property
     def j_per_output_token(self) -> float | None:
         """Energy per generated token (``None`` without output tokens)."""
         return self.energy_j / self.tokens_out if self.tokens_out else None
+
+    @property
+    def co2e_g(self) -> float | None:
+        """Grams CO2e of its energy (``None`` without a carbon configuration)."""
+        return None if self.footprint is None else self.footprint.co2e_g
+
+    @property
+    def cost(self) -> float | None:
+        """What its energy cost, in ``footprint.currency`` (``None`` without a price)."""
+        return None if self.footprint is None else self.footprint.cost
 
 
 @dataclass

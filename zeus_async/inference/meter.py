@@ -18,23 +18,42 @@ settled, per GPU, the requests' energies plus idle equal the GPU's measured ener
 A request still in flight holds the horizon at its begin (its token rates, which the
 ``tokens`` policy needs, are known only at its end), so results come at most one request
 duration late, and memory holds the requests and readings of that stretch only.
+
+With a carbon configuration (``RequestMeter(carbon=CarbonConfig(...))``), each settled
+interval is also cut where the intensity may change (:meth:`Carbon.cuts
+<zeus_async.aggregate.footprints.Carbon.cuts>`) and attributed piece by piece, so every
+request's ``footprint`` weighs the energy attributed to it in each piece by the intensity in
+force there (a time-varying intensity integrated, not averaged over the request).
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 import threading
 import time
 from collections.abc import AsyncIterable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..aggregate.footprints import Carbon, CarbonSpec, sum_footprints
 from ..aggregate.history import DeviceHistory, add_sample
 from ..errors import ConfigError
 from ..events import Event, GpuSample
-from .attribution import POLICIES, Attribution, Policy, RequestEnergy, RequestSpan, attribute
+from .attribution import (
+    POLICIES,
+    Attribution,
+    GpuAttribution,
+    Policy,
+    RequestEnergy,
+    RequestSpan,
+    attribute,
+)
+
+if TYPE_CHECKING:
+    from ..carbon import Footprint
 
 __all__ = ["MeterTotals", "RequestMeter"]
 
@@ -79,6 +98,12 @@ class RequestMeter:
         keep: How many settled results :meth:`results` keeps for the caller (oldest dropped).
         lag_s: How far behind the latest reading the horizon stays, so the energy counter has
             updated past it (the estimator is exact only between counter updates).
+        carbon: A :class:`~zeus_async.carbon.CarbonConfig` (opened once, here), an intensity
+            source or ``None``: with one, every settled request has a ``footprint``
+            (``co2e_g``, ``cost``), see the module docstring.
+
+    Raises:
+        ConfigError: An unknown policy, or what the carbon configuration refuses.
     """
 
     def __init__(
@@ -89,10 +114,15 @@ class RequestMeter:
         clock: Callable[[], int] = time.time_ns,
         keep: int = 100_000,
         lag_s: float = 0.25,
+        carbon: CarbonSpec = None,
     ) -> None:
         if policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
         self.policy = policy
+        #: The opened carbon configuration (``None``: no carbon figures).
+        self.carbon: Carbon | None = Carbon.of(carbon)
+        #: Footprints of the pieces of requests settled in part so far.
+        self._partial_fp: dict[str, list[Footprint]] = {}
         self._clock = clock
         self._lag_ns = round(lag_s * 1e9)
         self._edges: collections.deque[tuple[int, str, int, Any]] = collections.deque()
@@ -102,7 +132,7 @@ class RequestMeter:
         #: Requests attributed in part (they ended after a horizon they began before).
         self._partial: dict[str, RequestEnergy] = {}
         #: Each ended request's own edges and token counts, until it is settled.
-        self._edges_of: dict[str, tuple[int, int, int | None, int, int]] = {}
+        self._edges_of: dict[str, tuple[int, int, int | None, int, int, str, str]] = {}
         self._histories: dict[int, DeviceHistory] = {}
         self._settled_ns: int | None = None
         self._lock = threading.Lock()  # settle() from one thread at a time
@@ -123,9 +153,19 @@ class RequestMeter:
             raise ConfigError(f"the phases are prefill (from begin) and decode, not {name!r}")
         self._edges.append((_PHASE, request_id, self._clock(), None))
 
-    def end(self, request_id: str, *, tokens_in: int = 0, tokens_out: int = 0) -> None:
-        """The request is done, with its token counts."""
-        self._edges.append((_END, request_id, self._clock(), (tokens_in, tokens_out)))
+    def end(
+        self,
+        request_id: str,
+        *,
+        tokens_in: int = 0,
+        tokens_out: int = 0,
+        route: str = "",
+        model: str = "",
+    ) -> None:
+        """The request is done, with its token counts, and optionally the route (a template
+        such as ``/v1/chat/completions``, never a raw path) and model that served it, which
+        label its figures (:class:`~.metrics.RequestMetrics` keeps their number bounded)."""
+        self._edges.append((_END, request_id, self._clock(), (tokens_in, tokens_out, route, model)))
 
     # -- the data side ----------------------------------------------------------------------
 
@@ -176,8 +216,8 @@ class RequestMeter:
                 req.decode_ns = t
                 continue
             del self._open[rid]
-            tin, tout = payload
-            self._edges_of[rid] = (req.begin_ns, t, req.decode_ns, tin, tout)
+            tin, tout, route, model = payload
+            self._edges_of[rid] = (req.begin_ns, t, req.decode_ns, tin, tout, route, model)
             self._done.append(RequestSpan(rid, req.gpus, req.begin_ns, t, req.decode_ns, tin, tout))
 
     def horizon_ns(self) -> int | None:
@@ -232,6 +272,8 @@ class RequestMeter:
             self._done = later
             gpus = sorted(self._gpus | {g for s in now for g in s.gpus})
             methods: dict[int, str] = {}
+            carbon = self.carbon
+            points = [start, *sorted(set(carbon.cuts(start, horizon) if carbon else ())), horizon]
 
             def cumulative(gpu: int, times: Sequence[int]) -> Sequence[float]:
                 h = self._histories.get(gpu)
@@ -242,15 +284,32 @@ class RequestMeter:
                 methods[gpu] = got[1]
                 return got[0]
 
-            out = attribute(
-                now,
-                cumulative=cumulative,
-                start_ns=start,
-                end_ns=horizon,
-                gpus=gpus,
-                policy=self.policy,
-                method=methods,
-            )
+            # One attribution per piece between the intensity's steps (one piece without
+            # carbon, or with a source that does not change in the interval).
+            outs: list[Attribution] = []
+            rest = now
+            footprints: dict[str, list[Footprint]] = {}
+            for a, b in itertools.pairwise(points):
+                inside, rest = _cut(rest, b) if b < horizon else (rest, [])
+                piece = attribute(
+                    inside,
+                    cumulative=cumulative,
+                    start_ns=a,
+                    end_ns=b,
+                    gpus=gpus,
+                    policy=self.policy,
+                    method=methods,
+                )
+                outs.append(piece)
+                if carbon is not None:
+                    # The intensity is one step over the piece: its requests' energy there
+                    # times that step, exactly (spread evenly over its stretch in the piece).
+                    for span in inside:
+                        r = piece.requests[span.request_id]
+                        footprints.setdefault(span.request_id, []).append(
+                            carbon.spread(r.energy_j, span.begin_ns, span.end_ns)
+                        )
+            out = _combine(outs, start, horizon, self.policy)
             totals = self.totals
             for gpu, g in out.gpus.items():
                 totals.energy_j[gpu] = totals.energy_j.get(gpu, 0.0) + g.energy_j
@@ -265,10 +324,16 @@ class RequestMeter:
             settled = []
             for rid, part in out.requests.items():
                 whole = _merge(self._partial.pop(rid, None), part)
+                if carbon is not None:
+                    fps = self._partial_fp.pop(rid, []) + footprints.get(rid, [])
                 if rid in pending:
                     self._partial[rid] = whole  # more of it at a later settle
+                    if carbon is not None:
+                        self._partial_fp[rid] = fps
                     continue
                 whole = self._finish(whole)
+                if carbon is not None:
+                    whole.footprint = sum_footprints(fps)
                 settled.append(whole)
             totals.requests += len(settled)
             results = self._results
@@ -288,9 +353,10 @@ class RequestMeter:
 
     def _finish(self, r: RequestEnergy) -> RequestEnergy:
         """The request as reported: its own edges and token counts, not its pieces'."""
-        begin, end, decode, tokens_in, tokens_out = self._edges_of.pop(r.request_id)
+        begin, end, decode, tokens_in, tokens_out, route, model = self._edges_of.pop(r.request_id)
         r.begin_ns, r.end_ns, r.decode_ns = begin, end, decode
         r.tokens_in, r.tokens_out = tokens_in, tokens_out
+        r.route, r.model = route, model
         r.time_s = (end - begin) / 1e9
         return r
 
@@ -380,6 +446,45 @@ def _split(span: RequestSpan, at: int) -> tuple[RequestSpan, RequestSpan]:
         RequestSpan(span.request_id, span.gpus, b, at, d, tin, first),
         RequestSpan(span.request_id, span.gpus, at, e, at, 0.0, tout - first),
     )
+
+
+def _cut(spans: Sequence[RequestSpan], at: int) -> tuple[list[RequestSpan], list[RequestSpan]]:
+    """``spans`` up to ``at`` and from it (a span across ``at`` cut there, :func:`_split`)."""
+    head: list[RequestSpan] = []
+    tail: list[RequestSpan] = []
+    for span in spans:
+        if span.end_ns <= at:
+            head.append(span)
+        elif span.begin_ns >= at:
+            tail.append(span)
+        else:
+            first, second = _split(span, at)
+            head.append(first)
+            tail.append(second)
+    return head, tail
+
+
+def _combine(outs: Sequence[Attribution], start: int, end: int, policy: str) -> Attribution:
+    """The attributions of consecutive pieces of ``[start, end]`` as one."""
+    if len(outs) == 1:
+        return outs[0]
+    out = Attribution(start, end, policy)
+    for piece in outs:
+        for rid, part in piece.requests.items():
+            out.requests[rid] = _merge(out.requests.get(rid), part)
+        for gpu, g in piece.gpus.items():
+            have = out.gpus.get(gpu)
+            if have is None:
+                out.gpus[gpu] = GpuAttribution(
+                    gpu, g.energy_j, g.requests_j, g.idle_j, g.busy_s, g.idle_s
+                )
+                continue
+            have.energy_j += g.energy_j
+            have.requests_j += g.requests_j
+            have.idle_j += g.idle_j
+            have.busy_s += g.busy_s
+            have.idle_s += g.idle_s
+    return out
 
 
 def _merge(earlier: RequestEnergy | None, part: RequestEnergy) -> RequestEnergy:

@@ -12,7 +12,13 @@ Series (base units, as the rest of zeus_async's metrics):
 * ``zeus_request_energy_per_output_token_joules`` (histogram): per generated token, for
   requests that generated any;
 * ``zeus_request_gpu_energy_joules_total{gpu, kind}`` (counter): each GPU's settled energy,
-  ``kind="requests"`` or ``"idle"``; their sum is the GPU's measured energy.
+  ``kind="requests"`` or ``"idle"``; their sum is the GPU's measured energy;
+* with a meter that has a carbon configuration, ``zeus_request_co2e_grams_total{route, model,
+  source}`` and ``zeus_request_energy_cost_total{route, model, source, currency}`` (counters):
+  the settled requests' grams CO2e and cost. ``source`` is the configured source's name (one
+  value). Routes and models are labels the server gives (:meth:`RequestMeter.end`); the first
+  ``max_label_values`` distinct values of each are kept, any later one is counted as
+  ``"other"`` (said once in the log), so the series stay bounded.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import Any
 from .attribution import Attribution
 from .meter import RequestMeter
 
-__all__ = ["ENERGY_BUCKETS", "PER_TOKEN_BUCKETS", "RequestMetrics"]
+__all__ = ["ENERGY_BUCKETS", "MAX_LABEL_VALUES", "PER_TOKEN_BUCKETS", "RequestMetrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +38,10 @@ logger = logging.getLogger(__name__)
 ENERGY_BUCKETS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0, 3000.0, 10000.0)
 #: Joules per output token.
 PER_TOKEN_BUCKETS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
+#: Distinct routes (and models) labelled before the rest are counted as ``"other"``.
+MAX_LABEL_VALUES = 32
+#: The label of the routes and models beyond ``max_label_values``.
+OTHER = "other"
 
 
 class RequestMetrics:
@@ -41,6 +51,8 @@ class RequestMetrics:
         meter: The meter to observe.
         registry: Where the series live (default: a registry of their own).
         buckets, per_token_buckets: Histogram buckets (J).
+        max_label_values: Distinct routes, and models, labelled in the CO2e and cost counters
+            (the rest: ``"other"``).
     """
 
     def __init__(
@@ -50,6 +62,7 @@ class RequestMetrics:
         *,
         buckets: Sequence[float] = ENERGY_BUCKETS,
         per_token_buckets: Sequence[float] = PER_TOKEN_BUCKETS,
+        max_label_values: int = MAX_LABEL_VALUES,
     ) -> None:
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -74,8 +87,40 @@ class RequestMetrics:
             ["gpu", "kind"],
             registry=self.registry,
         )
+        self.co2e = Counter(
+            "zeus_request_co2e_grams",
+            "Grams CO2e of the energy attributed to inference requests",
+            ["route", "model", "source"],
+            registry=self.registry,
+        )
+        self.cost = Counter(
+            "zeus_request_energy_cost",
+            "Cost of the energy attributed to inference requests",
+            ["route", "model", "source", "currency"],
+            registry=self.registry,
+        )
         self.policy = meter.policy
+        self.source = "" if meter.carbon is None else meter.carbon.name
+        self._max_labels = max_label_values
+        self._seen: dict[str, set[str]] = {"route": set(), "model": set()}
         meter.subscribe(self.observe)
+
+    def _bounded(self, kind: str, value: str) -> str:
+        seen = self._seen[kind]
+        if value in seen:
+            return value
+        if len(seen) >= self._max_labels:
+            if OTHER not in seen:
+                seen.add(OTHER)
+                logger.warning(
+                    "more than %d request %ss: the rest are counted as %r",
+                    self._max_labels,
+                    kind,
+                    OTHER,
+                )
+            return OTHER
+        seen.add(value)
+        return value
 
     def observe(self, attribution: Attribution) -> None:
         """Take one settled interval (called by the meter)."""
@@ -86,6 +131,14 @@ class RequestMetrics:
             energy.observe(r.energy_j)
             if r.tokens_out:
                 per_token.observe(r.energy_j / r.tokens_out)
+            fp = r.footprint
+            if fp is None:
+                continue
+            route = self._bounded("route", r.route)
+            model = self._bounded("model", r.model)
+            self.co2e.labels(route, model, self.source).inc(max(fp.co2e_g, 0.0))
+            if fp.cost is not None and fp.currency:
+                self.cost.labels(route, model, self.source, fp.currency).inc(max(fp.cost, 0.0))
         for gpu, g in attribution.gpus.items():
             self.gpu_energy.labels(str(gpu), "requests").inc(max(g.requests_j, 0.0))
             self.gpu_energy.labels(str(gpu), "idle").inc(max(g.idle_j, 0.0))

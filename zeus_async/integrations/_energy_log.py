@@ -6,10 +6,13 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ConfigError
 from ..ranks import collectives
 
 if TYPE_CHECKING:
+    from ..aggregate.footprints import Carbon
     from ..aggregate.windows import WindowResult
+    from ..carbon import Footprint
     from ..monitor import Monitor
 
 __all__ = ["EnergyCallbackBase", "EnergyLog"]
@@ -28,6 +31,20 @@ class EnergyLog:
             collective, so every rank must log at the same steps, as the frameworks do);
             ``False``: this rank's.
         prefix: Put before every metric name.
+        carbon: Grams CO2e (and cost, where priced) beside the joules: a
+            :class:`~zeus_async.carbon.CarbonConfig` or an intensity source, given to the
+            monitor made here. By default, the given monitor's (``Monitor(carbon=...)``); none:
+            no carbon figures. A monitor given without one, or with another, is refused
+            (``ConfigError``): the figures are the monitor's windows'.
+        emissions_file: CodeCarbon's ``emissions.csv``, one row for the run, written by the
+            monitor made here (``Monitor(emissions_file=...)``, needs ``carbon``); refused with
+            a monitor given (give it to that monitor).
+
+    With a carbon configuration the metrics also have ``gpu_co2e_g`` (the interval's),
+    ``gpu_co2e_total_g`` and ``train_gpu_co2e_g``, and, when every interval is priced,
+    ``gpu_cost``, ``gpu_cost_total`` and ``train_gpu_cost`` (in the configuration's
+    currency): the GPUs' energy of each interval with the intensity in force when it was
+    drawn (the windows' :attr:`~zeus_async.aggregate.WindowResult.gpu_footprint`).
 
     A monitor made before the launcher said which rank this is (Lightning's ``ddp``) measures
     every GPU until :meth:`resolve` (the callbacks' setup) or the first interval gives it this
@@ -36,14 +53,31 @@ class EnergyLog:
     """
 
     def __init__(
-        self, monitor: Monitor | None = None, *, job: bool = True, prefix: str = ""
+        self,
+        monitor: Monitor | None = None,
+        *,
+        job: bool = True,
+        prefix: str = "",
+        carbon: Any = None,
+        emissions_file: str | None = None,
     ) -> None:
         self.monitor = monitor
         self._owns = monitor is None
         self.job = job
         self.prefix = prefix
+        self._carbon_arg = carbon
+        self._emissions_file = emissions_file
+        if emissions_file is not None and (monitor is not None or carbon is None):
+            raise ConfigError(
+                "emissions_file is for the monitor the callback makes, and needs carbon=; "
+                "with a monitor of your own, give it Monitor(carbon=..., emissions_file=...)"
+            )
+        #: The carbon configuration of the figures (``None``: none).
+        self.carbon: Carbon | None = _carbon_of(monitor, carbon)
         self._open = False
         self._done_j = 0.0  # intervals whose exact figures are in
+        self._done_g = 0.0
+        self._done_cost: float | None = 0.0
         self._pending: list[WindowResult] = []
         self._time_s = 0.0
         self._window = f"zeus-async/log-interval-{id(self):x}"
@@ -54,10 +88,18 @@ class EnergyLog:
             "monitor": None if self._owns else self.monitor,
             "job": self.job,
             "prefix": self.prefix,
+            "carbon": self._carbon_arg,
+            "emissions_file": self._emissions_file,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["monitor"], job=state["job"], prefix=state["prefix"])  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            state["monitor"],
+            job=state["job"],
+            prefix=state["prefix"],
+            carbon=state.get("carbon"),
+            emissions_file=state.get("emissions_file"),
+        )
 
     def resolve(self, gpus: Sequence[int] | None = None, local_rank: int | None = None) -> None:
         """The launcher has started the ranks: this rank's GPU (its framework's device, else
@@ -73,7 +115,9 @@ class EnergyLog:
             from ..monitor import Monitor
 
             gpus, local_rank = self._rank
-            self.monitor = Monitor(gpu_indices=gpus)
+            self.monitor = Monitor(
+                gpu_indices=gpus, carbon=self.carbon, emissions_file=self._emissions_file
+            )
             if local_rank is not None:
                 self.monitor.resolve_gpus(local_rank=local_rank)
         self.monitor.begin_window(self._window, sync_execution=False, restart=True)
@@ -81,6 +125,9 @@ class EnergyLog:
 
     def _energy(self, result: WindowResult) -> float:
         return sum(result.gpu_energy.values())
+
+    def _footprint(self, result: WindowResult) -> Footprint | None:
+        return result.gpu_footprint if self.carbon is not None else None
 
     def interval(self, *, reduce: bool = True, again: bool = True) -> dict[str, float]:
         """A logging step: close the interval, open the next, and return its metrics:
@@ -99,16 +146,28 @@ class EnergyLog:
         done = [r for r in self._pending if r.done()]
         for r in done:
             self._done_j += self._energy(r)
+            fp = self._footprint(r)
+            if fp is not None:
+                self._done_g += fp.co2e_g
+                self._done_cost = _add(self._done_cost, fp.cost)
         self._pending = [r for r in self._pending if not r.done()]
         total = self._done_j + sum(self._energy(r) for r in self._pending)
         values = [energy, energy / result.time if result.time > 0 else 0.0, total]
+        names = ["gpu_energy_j", "gpu_power_w", "gpu_energy_total_j"]
+        fp = self._footprint(result)
+        if fp is not None:
+            pending = [f for f in map(self._footprint, self._pending) if f is not None]
+            values += [fp.co2e_g, self._done_g + sum(f.co2e_g for f in pending)]
+            names += ["gpu_co2e_g", "gpu_co2e_total_g"]
+            cost_total = self._done_cost
+            for f in pending:
+                cost_total = _add(cost_total, f.cost)
+            if fp.cost is not None and cost_total is not None:
+                values += [fp.cost, cost_total]
+                names += ["gpu_cost", "gpu_cost_total"]
         if reduce:
             values = self._job(values)
-        return {
-            f"{self.prefix}gpu_energy_j": values[0],
-            f"{self.prefix}gpu_power_w": values[1],
-            f"{self.prefix}gpu_energy_total_j": values[2],
-        }
+        return {f"{self.prefix}{n}": v for n, v in zip(names, values, strict=True)}
 
     def finish(self, *, reduce: bool = True) -> dict[str, float]:
         """Training ends: the run's totals, ``train_gpu_energy_j`` and ``train_gpu_power_w``
@@ -119,20 +178,48 @@ class EnergyLog:
         self._open = False
         total = metrics[f"{self.prefix}gpu_energy_total_j"]
         values = [total, total / self._time_s if self._time_s > 0 else 0.0]
+        names = ["train_gpu_energy_j", "train_gpu_power_w"]
+        for name in ("gpu_co2e_total_g", "gpu_cost_total"):
+            if f"{self.prefix}{name}" in metrics:
+                values.append(metrics[f"{self.prefix}{name}"])
+                names.append("train_" + name.replace("_total", ""))
         if reduce:
             values = self._job(values)
         if self._owns:
             self.monitor.close()
             self.monitor = None
-        return {
-            f"{self.prefix}train_gpu_energy_j": values[0],
-            f"{self.prefix}train_gpu_power_w": values[1],
-        }
+        return {f"{self.prefix}{n}": v for n, v in zip(names, values, strict=True)}
 
     def _job(self, values: list[float]) -> list[float]:
         """Summed over the ranks (energies, and powers each over its rank's own time)."""
         ranks = collectives() if self.job else None
         return values if ranks is None else ranks.sums(values)
+
+
+def _add(total: float | None, part: float | None) -> float | None:
+    return None if total is None or part is None else total + part
+
+
+def _carbon_of(monitor: Monitor | None, carbon: Any) -> Carbon | None:
+    """The carbon configuration of an :class:`EnergyLog`'s figures (see its ``carbon``)."""
+    from ..aggregate.footprints import Carbon
+
+    if monitor is None:
+        return Carbon.of(carbon)
+    own = monitor.carbon
+    if carbon is None:
+        return own
+    if own is None:
+        raise ConfigError(
+            "carbon= with a monitor of your own: give it to the monitor instead, "
+            "Monitor(carbon=...); the figures are its windows'"
+        )
+    if carbon is not own and carbon != own.config and carbon is not own.source:
+        raise ConfigError(
+            f"carbon={carbon!r} differs from the monitor's ({own!r}); the figures are the "
+            "monitor's windows': leave carbon out"
+        )
+    return own
 
 
 class EnergyCallbackBase:
@@ -144,10 +231,18 @@ class EnergyCallbackBase:
     _missing_error: BaseException | None = None
 
     def __init__(
-        self, monitor: Monitor | None = None, *, job: bool = True, prefix: str = ""
+        self,
+        monitor: Monitor | None = None,
+        *,
+        job: bool = True,
+        prefix: str = "",
+        carbon: Any = None,
+        emissions_file: str | None = None,
     ) -> None:
         if self._missing:
             raise ImportError(self._missing) from self._missing_error
         super().__init__()
         #: The interval windows behind the figures.
-        self.energy = EnergyLog(monitor, job=job, prefix=prefix)
+        self.energy = EnergyLog(
+            monitor, job=job, prefix=prefix, carbon=carbon, emissions_file=emissions_file
+        )

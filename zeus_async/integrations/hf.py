@@ -53,8 +53,15 @@ class EnergyCallback(EnergyCallbackBase, _Base):  # type: ignore[misc,valid-type
     they see the figures. On several ranks the figures are the job's (see
     :class:`~zeus_async.integrations.EnergyLog`).
 
+    With a carbon configuration (``EnergyCallback(carbon=CarbonConfig(zone="FR"))``, or the
+    monitor's), the logs also get ``gpu_co2e_g``, ``gpu_co2e_total_g`` and
+    ``train_gpu_co2e_g`` (and ``gpu_cost``, ``gpu_cost_total``, ``train_gpu_cost`` where
+    priced); with ``emissions_file`` the run's CodeCarbon ``emissions.csv`` row is written at
+    the end: what ``report_to="codecarbon"`` did (``docs/migrating-from-codecarbon.md``).
+
     Args:
-        monitor, job, prefix: As :class:`~zeus_async.integrations.EnergyLog`.
+        monitor, job, prefix, carbon, emissions_file: As
+            :class:`~zeus_async.integrations.EnergyLog`.
 
     Raises:
         ImportError: ``transformers`` is not installed.

@@ -56,8 +56,14 @@ class EnergyCallback(EnergyCallbackBase, _Base):  # type: ignore[misc,valid-type
     a ``ddp`` script) is given this rank's GPU in ``setup``; under ``ddp_spawn`` the callback
     is pickled to the ranks, each measuring with a monitor of its own.
 
+    With a carbon configuration (``EnergyCallback(carbon=CarbonConfig(zone="FR"))``, or the
+    monitor's), it also logs ``gpu_co2e_g`` and ``gpu_co2e_total_g`` (and ``gpu_cost``,
+    ``gpu_cost_total`` where priced), and ``train_gpu_co2e_g`` (``train_gpu_cost``) at the end;
+    ``emissions_file``: CodeCarbon's ``emissions.csv`` row for the run.
+
     Args:
-        monitor, job, prefix: As :class:`~zeus_async.integrations.EnergyLog`.
+        monitor, job, prefix, carbon, emissions_file: As
+            :class:`~zeus_async.integrations.EnergyLog`.
 
     Raises:
         ImportError: Lightning is not installed.

@@ -53,6 +53,7 @@ from ..agent.protocol import (
 )
 from ..aggregate.board import BoardReader, provisional_measurement
 from ..aggregate.windows import WindowResult
+from ..carbon import CarbonConfig
 from ..errors import ConfigError
 from ..events import DeviceInfo, Event, Measurement
 from .processes import ProcessTracking
@@ -87,6 +88,9 @@ class SamplerProcess:
         prometheus_addr: Address the Prometheus endpoint binds.
         prometheus_names: Its metric names (``native``, ``dcgm`` or ``amd``).
         otlp, otlp_interval_s: Push to an OpenTelemetry OTLP/HTTP endpoint from the agent.
+        carbon: A :class:`~zeus_async.carbon.CarbonConfig` for the CO2e and cost series of
+            the private agent's exporters (``prometheus_port``, ``otlp``); ignored with
+            ``attach`` (a node agent keeps none).
         attach: The endpoint of a running agent to use instead of starting a private one
             (the sampling options above are then the agent's; only ``start_timeout_s``
             applies).
@@ -124,6 +128,7 @@ class SamplerProcess:
         prometheus_names: str = "native",
         otlp: str | None = None,
         otlp_interval_s: float = 10.0,
+        carbon: CarbonConfig | None = None,
         attach: str | None = None,
         name: str = "",
     ) -> None:
@@ -200,6 +205,7 @@ class SamplerProcess:
                 prometheus_names=prometheus_names,
                 otlp=otlp,
                 otlp_interval_s=otlp_interval_s,
+                carbon=carbon,
             )
             # The agent's warnings (a recording that failed, a restore) come through a pipe of
             # our own, which the I/O thread passes on to this process's logging, where the
