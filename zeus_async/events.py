@@ -349,6 +349,12 @@ class DeviceInfo(msgspec.Struct, array_like=True, gc=False):
     #: Each reading is the mean power over a window this long (s), lying within the lag
     #: above (0: a point reading, or unknown).
     power_reading_window_s: float = 0.0
+    #: ``avg_power_w`` is the mean power over the last ``power_average_window_s``, refreshed
+    #: every ``power_average_period_s`` on the driver's grid (NVML's POWER_AVERAGE in a Grace
+    #: superchip's MODULE scope: 1 s, 0.1 s); a device without an energy counter then takes
+    #: window energy from it (``integrated+average``). 0: no such average, or not used.
+    power_average_window_s: float = 0.0
+    power_average_period_s: float = 0.0
 
 
 class StreamInfo(msgspec.Struct, tag="stream", **_OPTS):

@@ -50,6 +50,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..events import GpuSample, RaplSample
+from .averages import AverageReadings
 from .estimate import EnergyEstimate, window_measurement
 from .periods import _FIT_RADIUS, _SPLITS, CounterPeriods, _Lead, _Memo, _Split
 from .readings import _NAN, SensorModel, _ReadingEvidence
@@ -99,6 +100,8 @@ def add_sample(history: DeviceHistory, event: GpuSample | RaplSample) -> None:
             energy = None
         if power is not None or energy is not None:
             history.add(event.t_ns, power, energy)
+        if event.avg_power_w is not None and history.averages is not None:
+            history.add_average(event.t_ns, event.avg_power_w)
     elif event.energy_j == event.energy_j:
         history.add(event.t_ns, None, event.energy_j)
 
@@ -118,6 +121,12 @@ class DeviceHistory(CounterPeriods):
             window widen their ``error_j`` by it (:meth:`_lag_error`).
         reading_window_s: Each reading is a mean over a window this long, within the lag
             (``DeviceInfo.power_reading_window_s``; 0: unknown or a point reading).
+        average_window_s, average_period_s: The device's ``avg_power_w`` is a sliding mean
+            over ``average_window_s``, refreshed every ``average_period_s`` on the driver's
+            grid (``DeviceInfo.power_average_window_s``/``_period_s``; 0: no such average).
+            Where there is no energy counter, windows then take their energy from the
+            averages (:class:`~zeus_async.aggregate.averages.AverageReadings`, method
+            ``integrated+average``); counter-based figures never use them.
     """
 
     def __init__(
@@ -129,6 +138,8 @@ class DeviceHistory(CounterPeriods):
         bounded: bool = False,
         reading_lag_s: float = 0.0,
         reading_window_s: float = 0.0,
+        average_window_s: float = 0.0,
+        average_period_s: float = 0.0,
     ) -> None:
         self.key = key
         self.fine_counter = fine_counter
@@ -139,6 +150,12 @@ class DeviceHistory(CounterPeriods):
         self.reading_lag_ns = round(lag * 1e9)
         self.reading_window_ns = min(round(window * 1e9), self.reading_lag_ns)
         self.sensor = sensor if sensor is not None else SensorModel()
+        #: The driver's sliding average, where the device reports one (see the arguments).
+        self.averages: AverageReadings | None = None
+        avg_window = round(average_window_s * 1e9) if average_window_s > 0 else 0
+        avg_period = round(average_period_s * 1e9) if average_period_s > 0 else 0
+        if avg_window and avg_period and avg_window % avg_period == 0:
+            self.averages = AverageReadings(avg_window, avg_period, self.reading_window_ns)
         self._lock = threading.Lock()
         # Power samples: time, power, cumulative trapezoid energy at that time.
         self._pt: list[int] = []
@@ -365,6 +382,14 @@ class DeviceHistory(CounterPeriods):
                     self._since_compact = 0
                     self._compact()
 
+    def add_average(self, t_ns: int, avg_w: float) -> None:
+        """Record one reading of the driver's sliding average (``avg_power_w``); ignored where
+        the history was not told the average's window (:attr:`averages` is ``None``)."""
+        if self.averages is None:
+            return
+        with self._lock:
+            self.averages.add(t_ns, avg_w)
+
     def _compact(self) -> None:
         """Pin the span's start values, then drop what :meth:`span_energy` no longer needs.
 
@@ -418,6 +443,8 @@ class DeviceHistory(CounterPeriods):
             i = bisect.bisect_left(self._pt, t_ns) - 1
             if i > 0:
                 del self._pt[:i], self._pw[:i], self._pc[:i]
+            if self.averages is not None:
+                self.averages.trim_before(t_ns)
             j = bisect.bisect_left(self._ct, t_ns) - 1
             if j > 0:
                 self._ct_trimmed = True
@@ -516,6 +543,11 @@ class DeviceHistory(CounterPeriods):
         estimate = self._energy(t0_ns, t1_ns)
         if estimate.energy_j is None:
             return estimate
+        if estimate.method == "integrated" and self.averages is not None and not self.has_counter:
+            # No counter, but the driver's sliding average: pieces of its refresh grid.
+            found = self.averages.energy(t0_ns, t1_ns, self._pt, self._pw)
+            if found is not None:
+                return EnergyEstimate(found[0], "integrated+average", found[1])
         err0, late0 = self._edge_error(t0_ns, estimate.method, begin=True)
         err1, late1 = self._edge_error(t1_ns, estimate.method, begin=False)
         energy, method = estimate.energy_j, estimate.method

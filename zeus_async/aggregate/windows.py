@@ -423,6 +423,8 @@ class WindowTracker:
                     info.key,
                     reading_lag_s=info.power_reading_lag_s,
                     reading_window_s=info.power_reading_window_s,
+                    average_window_s=info.power_average_window_s,
+                    average_period_s=info.power_average_period_s,
                 )
             elif kind == "cpu":
                 self.cpu_packages.append(int(num))
@@ -549,7 +551,11 @@ class WindowTracker:
         """Account one event from the stream (runtime thread)."""
         board = self.board
         if isinstance(event, GpuSample):
-            if event.power_w is not None or event.energy_j is not None:
+            if (
+                event.power_w is not None
+                or event.energy_j is not None
+                or event.avg_power_w is not None
+            ):
                 key = history_key(event)
                 history = self._history(key)
                 add_sample(history, event)

@@ -377,6 +377,11 @@ class NvmlGpu:
             # period, shown once the period has ended, so up to two periods old.
             power_reading_lag_s=0.2,
             power_reading_window_s=0.025,
+            # The MODULE scope has no counter but answers NVML_FI_DEV_POWER_AVERAGE (probed in
+            # _scope_refusal): the mean over the last 1 s, refreshed every 100 ms on the
+            # driver's grid, from which windows take their energy (issue 37).
+            power_average_window_s=1.0 if power_scope == "module" else 0.0,
+            power_average_period_s=0.1 if power_scope == "module" else 0.0,
         )
 
     def _scope_refusal(self, scope: str) -> str | None:

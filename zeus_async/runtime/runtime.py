@@ -530,6 +530,16 @@ class Runtime:
 
     def _fields_for(self, device: Device) -> Mapping[str, float | None]:
         if device.key.startswith("gpu:"):
+            info = device.describe()
+            if (
+                info.power_average_period_s > 0
+                and not info.has_energy_counter
+                and self._fields.get("avg_power_w", 0.0) is not None
+                and "avg_power_w" in self._fields
+            ):
+                # Window energy comes from the driver's average here: read it every tick,
+                # so that its refresh instants are seen to within a tick.
+                return {**self._fields, "avg_power_w": None}
             return self._fields
         return dict.fromkeys(device.fields)
 
