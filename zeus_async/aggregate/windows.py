@@ -93,6 +93,11 @@ def pop_open_window(open_windows: dict[str, tuple[int, int]], name: str) -> tupl
 _RESOLVED = threading.Condition()
 
 
+#: Real seconds after which waits bounded on the tracker's clock give up anyway (a fake clock
+#: that nothing moves).
+_REAL_TIME_GUARD_S = 10.0
+
+
 class WindowResult:
     """The outcome of one window; the exact energy figures resolve shortly after it ends.
 
@@ -735,20 +740,32 @@ class WindowTracker:
 
     async def wait_primed(self, timeout_s: float) -> bool:
         """Wait (bounded) until :meth:`primed`; windows opened before are measured partly
-        from power samples. Returns whether priming completed."""
-        with anyio.move_on_after(timeout_s):
+        from power samples. Returns whether priming completed.
+
+        ``timeout_s`` is on the tracker's clock, as the samples are: under a fake clock the
+        wait ends at the same stream time in every run, however loaded the machine (a
+        real-time bound ended it early under load, and what came after moved with it). A
+        real-time guard (:data:`_REAL_TIME_GUARD_S`) still ends it where nothing moves the
+        clock."""
+        deadline = self.clock.monotonic_ns() + round(timeout_s * 1e9)
+        with anyio.move_on_after(max(_REAL_TIME_GUARD_S, 10 * timeout_s)):
             while not self.primed():
+                if self.clock.monotonic_ns() >= deadline:
+                    break
                 await self._sleep(0.005)
-            return True
+            else:
+                return True
         logger.info("windows: energy counters not primed within %.2f s", timeout_s)
         return False
 
     async def drain(self, timeout_s: float) -> None:
-        """Wait (at most ``timeout_s``) until every closed window is finalized: before the
-        samplers stop, so that their data still completes the last windows."""
-        with anyio.move_on_after(timeout_s):
-            while self._closed:
-                await anyio.sleep(0.005)
+        """Wait (at most ``timeout_s`` of the tracker's clock; see :meth:`wait_primed`) until
+        every closed window is finalized: before the samplers stop, so that their data still
+        completes the last windows."""
+        deadline = self.clock.monotonic_ns() + round(timeout_s * 1e9)
+        with anyio.move_on_after(max(_REAL_TIME_GUARD_S, 10 * timeout_s)):
+            while self._closed and self.clock.monotonic_ns() < deadline:
+                await self._sleep(0.005)
 
     async def run(self, stream: ObjectReceiveStream[Event]) -> None:
         """Consume a stream (for replays and tests; the runtime uses :meth:`add` as a sink)."""
