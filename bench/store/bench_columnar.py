@@ -68,13 +68,15 @@ def events(samples: int) -> Iterator[Any]:
             yield RaplSample("node-01", t + 9500, 0, "dram", dram, 15.0 if k else None)
 
 
-def ensure_recording(directory: Path, samples: int) -> Path:
+def ensure_recording(directory: Path, samples: int, version: int = 3) -> Path:
     from zeus_async.store import write_recording
 
-    path = directory / f"columnar_{samples}.zarc"
+    path = directory / f"columnar_{samples}.v{version}.zarc"
     if not path.exists():
         t = time.perf_counter()
-        write_recording(path.with_suffix(".tmp"), events(samples), overwrite=True)
+        write_recording(
+            path.with_suffix(".tmp"), events(samples), overwrite=True, format_version=version
+        )
         path.with_suffix(".tmp").rename(path)
         print(f"# wrote {path} in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     return path
@@ -107,8 +109,40 @@ def phase(name: str, path: Path, work: Path) -> dict[str, Any]:
     from zeus_async.store.format import PayloadCodec
 
     out: dict[str, Any] = {}
-    codec = PayloadCodec(RecordingReader(path).header.compression)
+    reader = RecordingReader(path)
+    codec = PayloadCodec(reader.header.compression)
+    if reader.format_version >= 3 and name in ("zstd", "floor"):
+        # Format 3: expanding every block of every frame (zstd), nothing decoded; "floor" adds
+        # what any columnar load must also do: view each column and concatenate the frames'.
+        from zeus_async.store.columnar import _DIR_LEN, _blocks, _dir_decoder
+
+        stored = _payloads(path)
+        dctx = codec.decompressor()
+        t = time.perf_counter()
+        parts: dict[tuple[int, int], list[Any]] = {}
+        for p in stored:
+            view = memoryview(p)
+            (dir_len,) = _DIR_LEN.unpack_from(view, 0)
+            at = _DIR_LEN.size + dir_len
+            directory = _dir_decoder.decode(view[_DIR_LEN.size : at])
+            for k, block in enumerate(_blocks(directory)):
+                chunk = view[at : at + block.stored]
+                at += block.stored
+                raw = dctx.decompress(chunk) if block.codec == 1 else chunk
+                if name == "floor":
+                    parts.setdefault((len(directory.groups), k), []).append(
+                        np.frombuffer(raw, dtype=np.uint8)
+                    )
+        if name == "floor":
+            arrays = [np.concatenate(v) for v in parts.values()]
+            out["bytes_expanded"] = sum(a.nbytes for a in arrays)
+        out["seconds"] = time.perf_counter() - t
+        return out
     if name in ("zstd", "msgspec"):
+        if reader.format_version >= 3:
+            # msgspec's decode of the same events (the format-2 file's payloads)
+            path = ensure_recording(path.parent, int(path.name.split("_")[1].split(".")[0]), 2)
+            codec = PayloadCodec(RecordingReader(path).header.compression)
         stored = _payloads(path)
         t = time.perf_counter()
         expanded = [codec.expand(p) for p in stored]
@@ -223,7 +257,17 @@ def _maxrss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
 
 
-PHASES = ("zstd", "msgspec", "struct", "columns", "recording", "colframes", "parquet", "csv")
+PHASES = (
+    "zstd",
+    "floor",
+    "msgspec",
+    "struct",
+    "columns",
+    "recording",
+    "colframes",
+    "parquet",
+    "csv",
+)
 
 
 def main() -> int:
@@ -233,20 +277,25 @@ def main() -> int:
     parser.add_argument("--phases", default=",".join(PHASES))
     parser.add_argument("--phase", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--format-version", type=int, choices=(2, 3), default=3)
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
-    path = ensure_recording(args.dir, args.samples)
+    path = ensure_recording(args.dir, args.samples, args.format_version)
     if args.phase:
         print(json.dumps(phase(args.phase, path, args.dir)))
         return 0
-    results: dict[str, Any] = {"samples": args.samples, "file_bytes": path.stat().st_size}
+    results: dict[str, Any] = {
+        "samples": args.samples,
+        "file_bytes": path.stat().st_size,
+        "format_version": args.format_version,
+    }
     from zeus_async.store import RecordingReader
 
     results["events"] = RecordingReader(path).report.events_ok or None
     for name in args.phases.split(","):
         child = subprocess.run(
             [sys.executable, __file__, "--samples", str(args.samples), "--dir", str(args.dir),
-             "--phase", name],
+             "--format-version", str(args.format_version), "--phase", name],
             capture_output=True, text=True, check=True,
         )  # fmt: skip
         results[name] = json.loads(child.stdout.strip().splitlines()[-1])
@@ -273,6 +322,8 @@ def report(r: dict[str, Any]) -> None:
 
     if "zstd" in r:
         row("zstd expand only (floor of any reader)", r["zstd"]["seconds"], None)
+    if "floor" in r:
+        row("zstd expand + concatenate every column (v3 floor)", r["floor"]["seconds"], None)
     if "msgspec" in r:
         row("msgspec decode to structs, in memory (ceiling)", r["msgspec"]["seconds"], None)
     if "struct" in r:
@@ -323,7 +374,7 @@ def report(r: dict[str, Any]) -> None:
                 f"{x['bytes'] / r['file_bytes']:.2f}x | {x['read_s']:.2f} | "
                 f"{x['read_peak_mib']:,.0f} MiB |"
             )
-        print(f"| recording (zstd msgpack) | - | {mib:,.0f} MiB | 1.00x | - | - |")
+        print(f"| recording (format {r['format_version']}) | - | {mib:,.0f} MiB | 1.00x | - | - |")
 
 
 if __name__ == "__main__":

@@ -5,12 +5,16 @@ runtime does: events published through a hub to a batched consumer) and ``write_
 reads them back with :class:`RecordingReader`; and, in the same run, writes and reads the same
 events as JSON lines (``msgspec.json``, one object per line — the usual interchange format).
 
-Run: ``.venv/bin/python bench/store/bench_store.py [--events N] [--json PATH]``.
+Run: ``.venv/bin/python bench/store/bench_store.py [--events N] [--format-version 2|3]
+[--json PATH]``. ``--compare-writers`` instead times only the three writer paths, format 2 and
+format 3 alternately in one run, each repeat's events/s and CPU time per event (all threads of
+the process: the event loop's encoding plus the worker threads' compression), min/median/max.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import tempfile
@@ -33,10 +37,11 @@ def make_events(n: int) -> list[Event]:
     return realistic_gpu_samples(n, t0_ns=1_763_000_000_000_000_000, step_ns=1_250_000)
 
 
-async def record_async(path: Path, events: list[Event]) -> float:
+async def record_async(path: Path, events: list[Event], version: int = 3) -> float:
     """Publish through a hub into the Recorder, as the runtime does (batched consumer)."""
     hub = Hub()
-    recorder = Recorder(path, flush_events=4096, overwrite=True)  # each repeat replaces the last
+    # Each repeat replaces the last.
+    recorder = Recorder(path, flush_events=4096, overwrite=True, format_version=version)
     batches = hub.subscribe_batches(16384)
     t0 = time.perf_counter()
     async with anyio.create_task_group() as tg:
@@ -49,13 +54,14 @@ async def record_async(path: Path, events: list[Event]) -> float:
     return time.perf_counter() - t0
 
 
-async def record_consumer_only(path: Path, events: list[Event]) -> float:
+async def record_consumer_only(path: Path, events: list[Event], version: int = 3) -> float:
     """The Recorder's own cost: every event already handed over (buffered in its batches)."""
     batches = EventBatches(len(events))
     for e in events:
         batches.send_nowait(e)
     batches.close()
-    recorder = Recorder(path, flush_events=4096, overwrite=True)  # each repeat replaces the last
+    # Each repeat replaces the last.
+    recorder = Recorder(path, flush_events=4096, overwrite=True, format_version=version)
     t0 = time.perf_counter()
     await recorder.run(batches)
     return time.perf_counter() - t0
@@ -75,15 +81,67 @@ def timed(fn: Callable[[], object]) -> Callable[[], float]:
     return run
 
 
+def compare_writers(events: list[Event], repeat: int, tmp: Path) -> dict[str, Any]:
+    """Format 2 and format 3 writers side by side: per path and version, each repeat's wall
+    and CPU seconds (versions alternate within each repeat, so noise hits both alike)."""
+    n = len(events)
+    paths: dict[str, Callable[[int], None]] = {
+        "consumer": lambda v: anyio.run(
+            record_consumer_only, tmp / f"c{v}.zarc", events, v, backend="asyncio"
+        ),
+        "end_to_end": lambda v: anyio.run(
+            record_async, tmp / f"e{v}.zarc", events, v, backend="asyncio"
+        ),
+        "write_recording": lambda v: write_recording(
+            tmp / f"w{v}.zarc", events, overwrite=True, format_version=v
+        ),
+    }
+    out: dict[str, Any] = {}
+    for name, fn in paths.items():
+        for r in range(repeat):
+            for v in (2, 3) if r % 2 == 0 else (3, 2):
+                gc.collect()
+                w0, c0 = time.perf_counter(), time.process_time()
+                fn(v)
+                wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+                out.setdefault(f"{name}_v{v}", []).append((wall, cpu))
+    print(f"\n### Writers, format 2 vs 3 ({n:,} GpuSample events, {repeat} repeats each)\n")
+    print("| path | format | events/s: min / median / max | CPU µs/event: min / median / max |")
+    print("|---|---:|---:|---:|")
+    for name in paths:
+        for v in (2, 3):
+            runs = out[f"{name}_v{v}"]
+            rate = sorted(n / w for w, _ in runs)
+            cpu = sorted(c / n * 1e6 for _, c in runs)
+            mid = len(runs) // 2
+            print(
+                f"| {name} | v{v} | {rate[0] / 1e6:.2f} / {rate[mid] / 1e6:.2f} / "
+                f"{rate[-1] / 1e6:.2f} M | {cpu[0]:.3f} / {cpu[mid]:.3f} / {cpu[-1]:.3f} |"
+            )
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=3, help="runs per figure (best is kept)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--format-version", type=int, choices=(2, 3), default=3)
+    parser.add_argument(
+        "--compare-writers",
+        action="store_true",
+        help="only the writers, format 2 and 3 side by side (each repeat reported)",
+    )
     args = parser.parse_args()
     events = make_events(args.events)
     n = len(events)
     tmp = Path(tempfile.mkdtemp(prefix="zeus-async-bench-"))
+    if args.compare_writers:
+        runs = compare_writers(events, args.repeat, tmp)
+        if args.json:
+            args.json.write_text(json.dumps({"events": n, "runs": runs}, indent=1))
+        return 0
+    version = args.format_version
     out: dict[str, Any] = {"events": n, "repeat": args.repeat}
     rec = tmp / "async.zarc"
     sync_path = tmp / "sync.zarc"
@@ -130,17 +188,24 @@ def main() -> int:
             assert sum(1 for line in f if msgspec.json.decode(line)) == n
 
     out["recorder_async_s"] = best(
-        args.repeat, lambda: anyio.run(record_async, rec, events, backend="asyncio")
+        args.repeat, lambda: anyio.run(record_async, rec, events, version, backend="asyncio")
     )
     out["recorder_only_s"] = best(
-        args.repeat, lambda: anyio.run(record_consumer_only, rec, events, backend="asyncio")
+        args.repeat,
+        lambda: anyio.run(record_consumer_only, rec, events, version, backend="asyncio"),
     )
     out["write_recording_s"] = best(
-        args.repeat, timed(lambda: write_recording(sync_path, events, overwrite=True))
+        args.repeat,
+        timed(lambda: write_recording(sync_path, events, overwrite=True, format_version=version)),
     )
     plain = default_header(compression="none")
     out["write_plain_s"] = best(
-        args.repeat, timed(lambda: write_recording(plain_path, events, plain, overwrite=True))
+        args.repeat,
+        timed(
+            lambda: write_recording(
+                plain_path, events, plain, overwrite=True, format_version=version
+            )
+        ),
     )
     out["read_s"] = best(args.repeat, timed(read_all))
     out["read_batches_s"] = best(args.repeat, timed(read_batches))
@@ -153,7 +218,10 @@ def main() -> int:
     out["size_plain_zarc"] = os.path.getsize(plain_path)
     out["size_jsonl"] = os.path.getsize(jsonl)
 
-    print(f"\n### Recording benchmark ({n:,} GpuSample events, 8 GPUs, best of {args.repeat})\n")
+    print(
+        f"\n### Recording benchmark ({n:,} GpuSample events, 8 GPUs, format {version}, "
+        f"best of {args.repeat})\n"
+    )
     print("| path | events/s | file MB |\n|---|---:|---:|")
     rows = [
         ("Recorder write: the consumer (events handed over)", "recorder_only_s", "size_zarc"),

@@ -152,16 +152,21 @@ class Directory(msgspec.Struct, array_like=True):
 
 
 _dir_encoder = msgspec.msgpack.Encoder()
+_one_encoder = msgspec.msgpack.Encoder()
 _dir_decoder = msgspec.msgpack.Decoder(Directory)
 
 
 # -- writing ----------------------------------------------------------------------------------
 
 
+_INT_RANGES: Final = tuple(
+    (name, int(np.iinfo(name).min), int(np.iinfo(name).max)) for name in _INT_DTYPES
+)
+
+
 def _int_dtype(lo: int, hi: int) -> str:
-    for name in _INT_DTYPES:
-        info = np.iinfo(name)
-        if info.min <= lo and hi <= info.max:
+    for name, low, high in _INT_RANGES:
+        if low <= lo and hi <= high:
             return name
     return "<i8"
 
@@ -360,7 +365,9 @@ def _columns_from_msgpack(kind: str, group: Sequence[Any], encoder: Any) -> list
     """Columns of a group read from msgspec's encoding of it, when every event encodes with
     the same layout (same token types and string lengths); :class:`_Unsupported` otherwise."""
     n = len(group)
-    one = encoder.encode(group[0])
+    # Not ``encoder``: an EventEncoder reuses one buffer, which a single event would shrink
+    # (and the batch then grow again, a copy per step).
+    one = _one_encoder.encode(group[0])
     tokens = _tokens(one)
     layout = LAYOUTS[kind]
     if tokens is None or len(tokens) != len(layout) + 2:  # header, tag, fields
@@ -386,8 +393,18 @@ def _columns_from_msgpack(kind: str, group: Sequence[Any], encoder: Any) -> list
             raise _Unsupported("layout")
         if t.kind == "negfix" and (rows[:, t.pos] < 0xE0).any():
             raise _Unsupported("layout")
+    # The numeric fields as one structured view of the rows (a field per token, at its offset
+    # and in its big-endian dtype): each column is then one strided, byte-swapping copy.
+    names, formats, offsets = [], [], []
+    for k, t in enumerate(tokens[2:]):
+        if t.kind in ("int", "float", "posfix", "negfix"):
+            names.append(f"f{k}")
+            formats.append(t.dtype or ("u1" if t.kind == "posfix" else "i1"))
+            offsets.append(t.pos + t.head)
+    record = np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": width})
+    table = np.frombuffer(buf, dtype=record, count=n, offset=hdr)
     out = []
-    for spec, t in zip(layout, tokens[2:], strict=True):
+    for k, (spec, t) in enumerate(zip(layout, tokens[2:], strict=True)):
         col = _RawColumn(spec.name)
         out.append(col)
         start = t.pos + t.head
@@ -415,19 +432,13 @@ def _columns_from_msgpack(kind: str, group: Sequence[Any], encoder: Any) -> list
             continue
         if t.kind == "str" or (spec.storage == "int" and t.kind == "float"):
             raise _Unsupported(spec.name)
-        if t.kind == "posfix":
-            values: npt.NDArray[Any] = rows[:, t.pos].astype(np.int64)
-        elif t.kind == "negfix":
-            values = rows[:, t.pos].view(np.int8).astype(np.int64)
-        else:
-            raw = np.ascontiguousarray(rows[:, start : start + t.size])
-            values = raw.view(t.dtype).reshape(n)
-            if t.dtype == ">u8" and int(values.max()) > _I64_MAX:
-                raise _Unsupported(spec.name)
+        field = table[f"f{k}"]
         if spec.storage == "int":
-            col.set_ints(values.astype(np.int64))
+            if t.dtype == ">u8" and int(field.max()) > _I64_MAX:
+                raise _Unsupported(spec.name)
+            col.set_ints(field.astype(np.int64))
         else:
-            col.set_floats(values.astype(np.float64))
+            col.set_floats(field.astype(np.float64))
     return out
 
 
@@ -494,6 +505,16 @@ def encode_columns(events: Sequence[Event], encoder: Any) -> PreparedFrame:
     """
     if not events:
         raise CodecError("a frame needs at least one event")
+    kind = _TAG_OF.get(type(events[0]))
+    if kind is not None:
+        # The usual frame: one sampler's samples. The fast path checks every row's tag bytes
+        # against the first's, so success means one kind throughout (no per-event type pass).
+        try:
+            columns = _columns_from_msgpack(kind, events, encoder)
+        except _Unsupported:
+            pass  # not one layout throughout (or not one kind): split, below
+        else:
+            return PreparedFrame(len(events), events[0].t_ns, None, [(kind, len(events), columns)])
     types = set(map(type, events))
     if len(types) == 1:
         (cls,) = types
@@ -513,6 +534,8 @@ def encode_columns(events: Sequence[Event], encoder: Any) -> PreparedFrame:
         if kind is not None:
             try:
                 try:
+                    if len(split) == 1:  # the whole batch: the fast path failed above
+                        raise _Unsupported("layout")
                     columns = _columns_from_msgpack(kind, group, encoder)
                 except _Unsupported:
                     columns = _columns_from_objects(kind, group)

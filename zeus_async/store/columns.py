@@ -166,8 +166,17 @@ class SampleTable:
         got = self._present.get(name)
         if got is None:
             column = self.columns[name]
-            device = self.device[~np.isnan(column)] if column.dtype.kind == "f" else self.device
-            got = self._present[name] = np.bincount(device, minlength=len(self.devices)) > 0
+            holes = np.isnan(column) if column.dtype.kind == "f" else None
+            if holes is not None and holes.any():
+                device = self.device[~holes]
+                got = np.bincount(device, minlength=len(self.devices)) > 0
+            else:  # every row has a value (the usual column): every device that has a row
+                got = self._present.get("")  # (no field is named "")
+                if got is None:
+                    got = self._present[""] = (
+                        np.bincount(self.device, minlength=len(self.devices)) > 0
+                    )
+            self._present[name] = got
         return got
 
     def rows(self, code: int) -> npt.NDArray[np.intp]:

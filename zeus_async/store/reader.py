@@ -220,7 +220,11 @@ class FrameCodec:
             return decode_payload(
                 stored, self.payload.decompressor(), decoder, limit=MAX_FRAME_BYTES
             )
-        return decoder.decode_batch(self.payload.expand(stored))
+        expanded = self.payload.expand(stored)
+        try:
+            return decoder.decode_batch(expanded)
+        except ValueError as exc:  # invalid UTF-8 in a string (msgspec raises it as is)
+            raise CodecError(f"undecodable events: {exc}") from None
 
 
 def frame_events(frame: Frame, kinds: Collection[str] | None = None) -> list[Event]:
@@ -268,9 +272,11 @@ class _ResyncCost:
     Checking a candidate frame reads its declared payload (CRC, then decoding); a file packed
     with candidates that each declare a payload to its end would cost the square of its size.
     Failed checks may read at most twice the bytes the pass has advanced, plus one largest
-    frame (:data:`MAX_FRAME_BYTES`): a real frame after damage is always checked, and a
-    candidate the allowance cannot cover is skipped unchecked and counted
-    (:attr:`RecoveryReport.unchecked_candidates`).
+    frame (:data:`MAX_FRAME_BYTES`). A candidate the allowance cannot cover is still checked
+    when no other marker lies inside the bytes its check reads (those checks read disjoint
+    ranges: one pass over the file at most), so a real frame after damage is checked unless
+    its own payload happens to hold the 4 marker bytes; any other candidate the allowance
+    cannot cover is skipped unchecked and counted (:attr:`RecoveryReport.unchecked_candidates`).
     """
 
     __slots__ = ("spent", "start")
@@ -300,6 +306,13 @@ def _resync(
             if not isinstance(_validate(buf, i, end, decoder, codec), str):
                 return i
             cost.spent += declared
+        elif buf.find(FRAME_MAGIC, i + 1, i + FRAME_PREFIX_SIZE + declared) == -1:
+            # Over the allowance, but no other marker lies inside the bytes this check reads:
+            # such checks read disjoint ranges (the next candidate starts past this one's
+            # payload), so they cost one pass over the file at most, and the real frame right
+            # behind a crafted region (whose payload holds no marker) is still checked.
+            if not isinstance(_validate(buf, i, end, decoder, codec), str):
+                return i
         elif report is not None:
             report.unchecked_candidates += 1
         i = buf.find(FRAME_MAGIC, i + 1, end)
