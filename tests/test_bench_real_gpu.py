@@ -64,7 +64,7 @@ def test_the_amd_path_runs_on_sim_amdsmi_and_restores_the_power_cap(tmp_path: Pa
         assert heading in report
     assert "NVML" not in report
     # What the amd backend makes of the simulated MI300X, through the devices API.
-    assert "| GPU | AMD Instinct MI300X |" in report
+    assert "| GPU | AMD Instinct MI300X (simulated) |" in report
     assert "| power scope | socket |" in report
     assert "power_cap=True, clocks=False" in report
     assert "| power cap min / default / max W | 400.0 / 750.0 / 750.0 |" in report

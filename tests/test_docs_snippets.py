@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 MARK = re.compile(r"<!--\s*snippet:\s*(.*?)\s*-->")
 NOT_RUN = re.compile(r"not run\s*[:—-]\s*(.+)")
 #: Modules ``.ci/run`` installs and requires (msgpack: the test extra; elsewhere a block needing

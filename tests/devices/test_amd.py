@@ -66,7 +66,7 @@ def test_describe_and_readings(clock: FakeClock) -> None:
     node, gpus = open_sim(config(), clock)
     g = gpus[0]
     info = g.describe()
-    assert (info.key, info.vendor, info.name) == ("gpu:0", "amd", "AMD Instinct MI300X")
+    assert (info.key, info.vendor, info.name) == ("gpu:0", "amd", "AMD Instinct MI300X (simulated)")
     assert info.energy_method == "counter" and info.energy_note == ""
     assert info.capabilities == Capabilities(
         energy_counter=True, power_cap=True, clocks=False, per_process=False
@@ -322,7 +322,7 @@ def test_shim_serves_import_amdsmi_in_a_subprocess() -> None:
         timeout=60,
         check=True,
     )
-    assert out.stdout.split() == ["4", "AMD", "Instinct", "MI300X", "750000000"]
+    assert out.stdout.split() == ["4", "AMD", "Instinct", "MI300X", "(simulated)", "750000000"]
 
 
 def test_errors_are_amdsmi_exceptions(clock: FakeClock) -> None:

@@ -70,7 +70,7 @@ def test_the_gpu_says_what_it_is_and_cannot_do() -> None:
     info = gpu.describe()
     assert (info.key, info.name, info.arch, info.index) == (
         "gpu:0",
-        "Apple M3 Max GPU",
+        "Apple M3 Max GPU (simulated)",
         "apple-m3",
         0,
     )
@@ -89,7 +89,7 @@ def test_the_gpu_says_what_it_is_and_cannot_do() -> None:
     cinfo = cpu.describe()
     assert (cinfo.key, cinfo.name, cinfo.arch, cinfo.vendor) == (
         "cpu:0",
-        "Apple M3 Max CPU (IOReport)",
+        "Apple M3 Max CPU (IOReport) (simulated)",
         "cpu",
         "apple",
     )

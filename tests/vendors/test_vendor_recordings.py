@@ -141,7 +141,8 @@ def test_cli_monitor_and_inspect(vendor: VendorCase, tmp_path: Path) -> None:
     for row in gpus:
         energy, seconds, mean_w = float(row[1]), float(row[2]), float(row[3])
         assert 0.5 < seconds < 5.0 and energy > 0
-        assert config.idle_w * 0.9 <= mean_w <= config.max_w * 1.01, row
+        # A 1 s run: its two ends are extrapolated from the readings (with the demo's noise).
+        assert config.idle_w * 0.9 <= mean_w <= config.max_w * 1.03, row
 
     shown = _cli("inspect", str(path))
     assert shown.returncode == 0, shown.stderr

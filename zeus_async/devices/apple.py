@@ -156,6 +156,14 @@ def _platform(source: Any) -> tuple[str, str]:
     return _sysctl_string("machdep.cpu.brand_string") or "Apple Silicon", _host_uuid() or ""
 
 
+def _named(chip: str, part: str) -> str:
+    """``"Apple M3 Max GPU"``; a simulated chip's ``(simulated)`` stays at the end."""
+    sim = " (simulated)"
+    if chip.endswith(sim):
+        return f"{chip.removesuffix(sim)} {part}{sim}"
+    return f"{chip} {part}"
+
+
 def _arch(chip: str) -> str:
     """``apple-m3`` for "Apple M3 Max", ``apple`` when the name says no generation."""
     match = re.search(r"\bM(\d+)\b", chip)
@@ -271,7 +279,7 @@ class AppleGpu:
         self._counter = _Counter("GPU Energy" + (" + GPU SRAM" if self._sram else ""))
         self._info = DeviceInfo(
             key=self._key,
-            name=f"{chip} GPU",
+            name=_named(chip, "GPU"),
             uuid=f"APPLE-GPU-{host}" if host else "",
             arch=_arch(chip),
             has_energy_counter=True,
@@ -365,7 +373,7 @@ class AppleCpu:
         self._counters = {d: _Counter(d) for d in self._domains}
         self._info = DeviceInfo(
             key=self._key,
-            name=f"{chip} CPU (IOReport)",
+            name=_named(chip, "CPU (IOReport)"),
             arch="cpu",
             has_energy_counter=True,
             vendor="apple",

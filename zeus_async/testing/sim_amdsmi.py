@@ -363,7 +363,8 @@ def amdsmi_get_gpu_asic_info(processor_handle: processor_handle) -> dict[str, An
     with _call:
         h = _check(processor_handle)
         return {
-            "market_name": h.gpu.name,
+            # A simulated GPU says so in its name, wherever the name goes (as sim_pynvml's).
+            "market_name": f"{h.gpu.name} (simulated)",
             "vendor_id": "0x1002",
             "vendor_name": "Advanced Micro Devices Inc. [AMD/ATI]",
             "subvendor_id": "0x1002",

@@ -153,7 +153,7 @@ def zeus_async_platform() -> tuple[str, str]:
     node = _serving()
     cfg = node.config
     host = node.gpus[0].uuid[4:] if node.gpus else ""
-    return cfg.apple.chip, host
+    return f"{cfg.apple.chip} (simulated)", host  # a simulated chip says so in its name
 
 
 # -- the channels -----------------------------------------------------------------------------
