@@ -47,9 +47,10 @@ import logging
 import math
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from ..events import GpuSample, RaplSample
+from .arraylist import ArrayList
 from .averages import AverageReadings
 from .estimate import EnergyEstimate, window_measurement
 from .periods import _FIT_RADIUS, _SPLITS, CounterPeriods, _Lead, _Memo, _Split
@@ -104,6 +105,23 @@ def add_sample(history: DeviceHistory, event: GpuSample | RaplSample) -> None:
             history.add_average(event.t_ns, event.avg_power_w)
     elif event.energy_j == event.energy_j:
         history.add(event.t_ns, None, event.energy_j)
+
+
+def _owned(values: npt.NDArray[Any], given: object) -> npt.NDArray[Any]:
+    """``values``, copied where they may be the caller's array ``given`` (or a view of it)."""
+    import numpy as np
+
+    if given is not None and np.may_share_memory(values, given):
+        copied: npt.NDArray[Any] = values.copy()
+        return copied
+    return values
+
+
+def _lazy(values: npt.NDArray[Any]) -> list[Any]:
+    """An array as one of the lists :meth:`DeviceHistory.from_arrays` fills: an
+    :class:`~.arraylist.ArrayList` (a list's behaviour, each value converted where it is read,
+    the same Python scalar ``tolist`` gives; the first change makes it a real list)."""
+    return cast("list[Any]", ArrayList(values))
 
 
 class DeviceHistory(CounterPeriods):
@@ -252,26 +270,34 @@ class DeviceHistory(CounterPeriods):
         has_p = ~np.isnan(pw)
         has_c = ~np.isnan(ce)
         some = has_p | has_c
-        t, pw, ce, has_p, has_c = t[some], pw[some], ce[some], has_p[some], has_c[some]
+        if not some.all():  # (every sample has a value: nothing to take out, no copies)
+            t, pw, ce, has_p, has_c = t[some], pw[some], ce[some], has_p[some], has_c[some]
         if not len(t):
             return self
         # add() takes a sample only when it is later than every sample taken before it.
-        before = np.maximum.accumulate(t)
         keep = np.ones(len(t), dtype=bool)
-        keep[1:] = t[1:] > before[:-1]
-        self.dropped = int(len(t) - np.count_nonzero(keep))
-        t, pw, ce, has_p, has_c = t[keep], pw[keep], ce[keep], has_p[keep], has_c[keep]
+        keep[1:] = t[1:] > t[:-1]
+        if not keep.all():  # (in order, each later than the previous: each later than all)
+            before = np.maximum.accumulate(t)
+            keep[1:] = t[1:] > before[:-1]
+            t, pw, ce, has_p, has_c = t[keep], pw[keep], ce[keep], has_p[keep], has_c[keep]
+        self.dropped = int(len(keep) - np.count_nonzero(keep))
         self.first_t_ns = int(t[0])
         self.last_t_ns = int(t[-1])
         # Power samples and their running trapezoid integral (left to right, as add() sums).
-        pt, pv = t[has_p], pw[has_p]
+        every_p = bool(has_p.all())
+        pt, pv = (t, pw) if every_p else (t[has_p], pw[has_p])
+        # The arrays kept are the history's own, never the caller's.
+        pt, pv = _owned(pt, t_ns), _owned(pv, power_w)
         reading_sums = np.zeros(0)
         if len(pt):
             steps = (pv[:-1] + pv[1:]) / 2 * (pt[1:] - pt[:-1]) / 1e9
             cum = np.empty(len(pt))
             cum[0] = 0.0
             np.cumsum(steps, out=cum[1:])
-            self._pt, self._pw, self._pc = pt.tolist(), pv.tolist(), cum.tolist()
+            # Kept as arrays, each value converted where a query reads it (ArrayList: the same
+            # Python scalars tolist() gives, without building millions of them up front).
+            self._pt, self._pw, self._pc = _lazy(pt), _lazy(pv), _lazy(cum)
             self._last_power = float(pv[-1])
             # Running sums of the readings, added left to right as add() adds them.
             reading_sums = np.cumsum(pv)
@@ -289,7 +315,8 @@ class DeviceHistory(CounterPeriods):
             self._last_counter, self._last_counter_t = float(cv[-1]), int(tc[-1])
             if fine_counter:
                 self._ct_first = int(tc[0])
-                self._ct, self._cb, self._ce = tc.tolist(), tc.tolist(), cv.tolist()
+                tc, cv = _owned(tc, t_ns), _owned(cv, counter_j)
+                self._ct, self._cb, self._ce = _lazy(tc), _lazy(tc), _lazy(cv)
                 self._cp = [_NAN] * len(tc)
             else:
                 moved = np.flatnonzero(cv[1:] != cv[:-1]) + 1
@@ -297,9 +324,9 @@ class DeviceHistory(CounterPeriods):
                     at = rows[moved]
                     ct = (tc[moved - 1] + tc[moved]) // 2
                     self._ct_first = int(ct[0])
-                    self._ct, self._cb = ct.tolist(), tc[moved - 1].tolist()
-                    self._ce = cv[moved].tolist()
-                    self._cp = np.where(has_p[at], pw[at], np.nan).tolist()
+                    self._ct, self._cb = _lazy(ct), _lazy(tc[moved - 1])
+                    self._ce = _lazy(cv[moved])
+                    self._cp = _lazy(np.where(has_p[at], pw[at], np.nan))
                     self.counter_updates = len(moved)
                     self.power_changes_with_counter = int(np.count_nonzero(changed[at]))
                     counts = np.cumsum(has_p)[at]
