@@ -355,6 +355,11 @@ class DeviceInfo(msgspec.Struct, array_like=True, gc=False):
     #: window energy from it (``integrated+average``). 0: no such average, or not used.
     power_average_window_s: float = 0.0
     power_average_period_s: float = 0.0
+    #: How often the energy counter updates (s), as the device says (issue 37): a counter read
+    #: at least twice as often apart is exact at every read; a slower one is fitted to an
+    #: update grid of this period (phase only). 0: unknown (learned from the samples, as for
+    #: NVIDIA's ~100 ms), and in recordings made before this field.
+    energy_counter_period_s: float = 0.0
 
 
 class StreamInfo(msgspec.Struct, tag="stream", **_OPTS):

@@ -66,6 +66,7 @@ __all__ = [
     "SensorModel",
     "add_sample",
     "history_key",
+    "reads_exact",
     "window_measurement",
 ]
 
@@ -107,6 +108,21 @@ def add_sample(history: DeviceHistory, event: GpuSample | RaplSample) -> None:
         history.add(event.t_ns, None, event.energy_j)
 
 
+def reads_exact(
+    period_s: float, t_ns: npt.NDArray[np.int64], counter_j: npt.NDArray[np.float64] | None
+) -> bool:
+    """Whether a counter of update period ``period_s`` (0: unknown) is exact at every reading
+    in these samples: its first two reads (NaN: none) lie two periods apart or more, as
+    :meth:`DeviceHistory.add` decides at the second read."""
+    if period_s <= 0 or counter_j is None:
+        return False
+    import numpy as np
+
+    t = np.asarray(t_ns, dtype=np.int64)[~np.isnan(np.asarray(counter_j, dtype=np.float64))]
+    later = t[t > t[0]] if len(t) else t
+    return bool(len(later)) and 2 * round(period_s * 1e9) <= int(later[0]) - int(t[0])
+
+
 def _owned(values: npt.NDArray[Any], given: object) -> npt.NDArray[Any]:
     """``values``, copied where they may be the caller's array ``given`` (or a view of it)."""
     import numpy as np
@@ -145,6 +161,13 @@ class DeviceHistory(CounterPeriods):
             Where there is no energy counter, windows then take their energy from the
             averages (:class:`~zeus_async.aggregate.averages.AverageReadings`, method
             ``integrated+average``); counter-based figures never use them.
+        counter_period_s: How often the counter updates, as the device says
+            (``DeviceInfo.energy_counter_period_s``; 0: unknown, learned from the samples).
+            Where the first two counter reads lie at least two periods apart
+            (:func:`reads_exact`: an MI300's 1 ms counter read every 10 ms) every reading is
+            an exact point, as with ``fine_counter``, and a window edge between two reads is
+            placed by the power readings at both; otherwise (not yet used, issue 37) the
+            update grid is still learned from the samples.
     """
 
     def __init__(
@@ -158,9 +181,15 @@ class DeviceHistory(CounterPeriods):
         reading_window_s: float = 0.0,
         average_window_s: float = 0.0,
         average_period_s: float = 0.0,
+        counter_period_s: float = 0.0,
     ) -> None:
         self.key = key
         self.fine_counter = fine_counter
+        period = float(counter_period_s)
+        #: The counter's update period as the device says it, in ns (0: unknown).
+        self.counter_period_ns = round(period * 1e9) if period > 0 else 0
+        # Whether the second counter read is still to say if each reading is exact (add()).
+        self._exact_undecided = bool(self.counter_period_ns) and not fine_counter
         self.bounded = bounded
         lag = max(float(reading_lag_s), 0.0) if reading_lag_s == reading_lag_s else 0.0
         window = max(float(reading_window_s), 0.0) if reading_window_s == reading_window_s else 0.0
@@ -370,6 +399,8 @@ class DeviceHistory(CounterPeriods):
                 self.has_counter = True
                 if self._first_reading is None:
                     self._first_reading = (t_ns, counter_j)
+                elif self._exact_undecided:
+                    self._decide_exact(t_ns)
                 if self.fine_counter:
                     if not self._ct:
                         self._ct_first = t_ns
@@ -408,6 +439,31 @@ class DeviceHistory(CounterPeriods):
                 if self._since_compact >= _COMPACT_EVERY:
                     self._since_compact = 0
                     self._compact()
+
+    def _decide_exact(self, t_ns: int) -> None:
+        """At the second counter read (``t_ns``): where the device's counter period is at most
+        half the spacing of the reads, every reading is an exact point (``fine_counter``),
+        the first one included."""
+        self._exact_undecided = False
+        first = self._first_reading
+        assert first is not None and not self._ct
+        if 2 * self.counter_period_ns <= t_ns - first[0]:
+            self.fine_counter = True
+            self._ct_first = first[0]
+            self._ct.append(first[0])
+            self._cb.append(first[0])
+            self._ce.append(first[1])
+            self._cp.append(_NAN)
+
+    def set_counter_period(self, period_s: float) -> None:
+        """Say the counter's update period (``counter_period_s``) of a history filled by
+        :meth:`from_arrays` (whose ``fine_counter`` says, by :func:`reads_exact`, whether each
+        reading is exact)."""
+        with self._lock:
+            self.counter_period_ns = round(period_s * 1e9) if period_s > 0 else 0
+            self._exact_undecided = False
+            self._refined_cache.clear()
+            self._lead = None
 
     def add_average(self, t_ns: int, avg_w: float) -> None:
         """Record one reading of the driver's sliding average (``avg_power_w``); ignored where

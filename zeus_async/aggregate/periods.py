@@ -82,6 +82,7 @@ class CounterPeriods:
 
     # Set by DeviceHistory.__init__ (see there for what each holds).
     fine_counter: bool
+    counter_period_ns: int
     sensor: SensorModel
     first_t_ns: int | None
     power_changes: int
@@ -146,6 +147,10 @@ class CounterPeriods:
         the integrated power readings (``power``) unless they are shown to describe the past
         (``averaged``, or ``lagging`` without the head model), else along a line through the
         period's mean power (``time``, :meth:`_sloped`)."""
+        if self.fine_counter and self.counter_period_ns and self._pt:
+            # A counter exact at every read (it updates far faster): fresh power readings
+            # place a window edge between two reads.
+            return "power"
         if self._head_model_active():
             return "head"
         if (
@@ -206,6 +211,15 @@ class CounterPeriods:
             return ce[i] if t_ns >= t_b else ce[i - 1]
         offset = min(max(t_ns - t_a, 0), t_b - t_a)
         if split != "head":
+            if split == "power" and self.fine_counter and self.counter_period_ns:
+                # Exact readings: the energy between two reads shared by the power readings.
+                share = offset / (t_b - t_a)
+                if self._pt:
+                    cum = self._cum if memo is None else memo.cum
+                    whole = cum(t_b) - cum(t_a)
+                    if whole > 0:
+                        share = (self._cum(t_ns) - cum(t_a)) / whole
+                return ce[i - 1] + (ce[i] - ce[i - 1]) * share
             if split == "power":
                 return self._merged_at(t_ns, i - 1, i, by_power=True, memo=memo)
             if not self.fine_counter and 2 <= i < len(ct) - 1:

@@ -430,6 +430,7 @@ class WindowTracker:
                     reading_window_s=info.power_reading_window_s,
                     average_window_s=info.power_average_window_s,
                     average_period_s=info.power_average_period_s,
+                    counter_period_s=info.energy_counter_period_s,
                 )
             elif kind == "cpu":
                 self.cpu_packages.append(int(num))

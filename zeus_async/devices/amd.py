@@ -77,6 +77,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Seconds of the node's time the energy counter is compared with power at start.
+#: How often the MI300's current energy counter updates (s): every 1 ms, as its socket power
+#: does (``DeviceInfo.energy_counter_period_s``): read every 10 ms, each reading is exact at its
+#: read time. (Older GPUs' counters are not described here.)
+AMD_COUNTER_PERIOD_S: Final = 0.001
 CHECK_S: Final = 0.1
 #: Power readings over the check (one every ``CHECK_S / CHECK_STEPS`` s, the ends included),
 #: integrated (trapezoid) into the energy the counter is compared with: a load that changes
@@ -342,6 +346,8 @@ class AmdGpu:
             vendor="amd",
             energy_method=method,
             energy_note=self.note,
+            # MI300's current energy counter (and socket power) update every 1 ms.
+            energy_counter_period_s=AMD_COUNTER_PERIOD_S,
             capabilities=Capabilities(
                 energy_counter=has_counter,
                 power_cap=caps is not None,

@@ -78,6 +78,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: How often IOReport's Energy Model updates its counters (s; ``DeviceInfo.
+#: energy_counter_period_s``): every 10 ms, on the model's own grid. An assumption (what the
+#: simulator does and what reads of real chips suggest), not a documented figure.
+APPLE_COUNTER_PERIOD_S: Final = 0.01
+
 #: How window energy is obtained on an Apple device (``DeviceInfo.energy_note``).
 APPLE_ENERGY_NOTE: Final = "IOReport Energy Model (model-based, ~1 mJ), no sudo"
 _MODULE: Final = "zeus_apple_silicon"
@@ -289,6 +294,7 @@ class AppleGpu:
             energy_note=APPLE_ENERGY_NOTE,
             capabilities=Capabilities(energy_counter=True),
             power_scope="gpu",
+            energy_counter_period_s=APPLE_COUNTER_PERIOD_S,
         )
         logger.info(
             "%s: %s through IOReport (GPU Energy%s)",

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from ...aggregate.history import DeviceHistory
+from ...aggregate.history import DeviceHistory, reads_exact
 from ...aggregate.live import device_order
 from ...errors import ConfigError
 from ...events import DeviceInfo, Measurement, RequestIdle, RequestMeasurement, StreamInfo
@@ -251,14 +251,18 @@ class _Loaded:
             t = self._column(key, "t_ns")
             if self._where[key].table.kind == "gpu":
                 info = self.device_info().get(key)  # how its power readings lag (issue 37)
+                energy = self._column(key, "energy_j")
+                period = info.energy_counter_period_s if info else 0.0
                 history = DeviceHistory.from_arrays(
                     key,
                     t,
                     self._column(key, "power_w"),
-                    self._column(key, "energy_j"),
+                    energy,
+                    fine_counter=reads_exact(period, t, energy),
                     reading_lag_s=info.power_reading_lag_s if info else 0.0,
                     reading_window_s=info.power_reading_window_s if info else 0.0,
                 )
+                history.set_counter_period(period)
             else:
                 history = DeviceHistory.from_arrays(
                     key, t, None, self._column(key, "energy_j"), fine_counter=True
