@@ -15,7 +15,7 @@ from wire_doc import render_default, render_type
 
 from zeus_async.bus import HEADER_SIZE, FrameDecoder, FrameEncoder
 from zeus_async.bus.codec import _HEADER
-from zeus_async.events import EVENT_TYPES, DeviceInfo, GpuSample, event_topic
+from zeus_async.events import EVENT_TYPES, Capabilities, DeviceInfo, GpuSample, event_topic
 
 DOC = Path(__file__).parents[2] / "docs" / "wire-format.md"
 
@@ -81,6 +81,11 @@ def test_no_undocumented_or_stale_event_sections(doc: str) -> None:
 def test_device_info_is_documented(doc: str) -> None:
     rows = _rows(_section(doc, r"### DeviceInfo \(inside `stream`\)"))
     assert [(r[1], r[2], r[3]) for r in rows] == _expected_rows(DeviceInfo)
+
+
+def test_capabilities_are_documented(doc: str) -> None:
+    rows = _rows(_section(doc, r"### Capabilities \(inside `DeviceInfo`\)"))
+    assert [(r[1], r[2], r[3]) for r in rows] == _expected_rows(Capabilities)
 
 
 def test_header_table_matches_the_codec(doc: str) -> None:
