@@ -82,6 +82,8 @@ _FLOAT_DTYPES: Final = ("<f8",)
 #: Blocks smaller than this are stored uncompressed (zstd would only add its frame header).
 _MIN_COMPRESS: Final = 64
 _DIR_LEN = struct.Struct("!I")
+#: Most rows of one group :func:`directory_rows` counts (a bound on what a hint may claim).
+_MAX_HINT_ROWS: Final = 64 * 1024 * 1024
 
 Storage = Literal["int", "float", "str"]
 
@@ -781,6 +783,31 @@ def _column(
     elif c.base:
         raise CodecError(f"column {c.name!r}: a base without delta encoding")
     return DecodedColumn(spec, array, present, c.dictionary, c.encoding == ENC_CONST)
+
+
+def directory_rows(payload: bytes | memoryview) -> dict[str, int] | None:
+    """Rows per column kind a format-3 payload's directory declares, read from the directory
+    alone (nothing expanded, no CRC checked): a capacity hint for a columnar load, which the
+    load itself does not trust (it grows or trims its arrays to what decodes). ``None`` when
+    the directory does not decode or does not add up."""
+    view = memoryview(payload)
+    if len(view) < _DIR_LEN.size:
+        return None
+    (dir_len,) = _DIR_LEN.unpack_from(view, 0)
+    start = _DIR_LEN.size + dir_len
+    if start > len(view):
+        return None
+    try:
+        directory = _dir_decoder.decode(view[_DIR_LEN.size : start])
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+        return None
+    if sum(g.rows for g in directory.groups) != directory.events:
+        return None
+    rows: dict[str, int] = {}
+    for g in directory.groups:
+        if g.kind in COLUMN_TYPES and 0 < g.rows <= _MAX_HINT_ROWS:
+            rows[g.kind] = rows.get(g.kind, 0) + g.rows
+    return rows
 
 
 def decode_payload(

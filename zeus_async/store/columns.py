@@ -222,10 +222,16 @@ class _Categories:
         return np.fromiter(map(index.__getitem__, values), dtype=np.int32, count=len(values))
 
 
-class _KindBuilder:
-    """Accumulates one kind's columns frame by frame."""
+_DTYPES: Final[dict[_Storage, type[Any]]] = {"int": np.int64, "float": np.float64, "cat": np.int32}
 
-    def __init__(self, kind: str, hosts: _Categories) -> None:
+
+class _KindBuilder:
+    """Accumulates one kind's columns frame by frame, each frame written into one array per
+    field (sized from a capacity hint, grown as needed and trimmed at the end in place where
+    the allocator can: ``ndarray.resize``), so a load holds the arrays and one frame, never
+    the frames' pieces and their concatenation at once."""
+
+    def __init__(self, kind: str, hosts: _Categories, capacity: int = 0) -> None:
         self.kind = kind
         self.layout = LAYOUTS[kind]
         self.cats: dict[str, _Categories] = {
@@ -234,60 +240,84 @@ class _KindBuilder:
             if storage == "cat"
         }
         self.getters = [operator.attrgetter(name) for name, _ in self.layout]
-        self.chunks: dict[str, list[npt.NDArray[Any]]] = {name: [] for name, _ in self.layout}
         # Device identities (see _ident) in order of first appearance, and each row's index
-        # into them, computed frame by frame (a few distinct values per frame).
+        # into them (self.device), computed frame by frame (a few distinct values per frame).
         self.idents: dict[tuple[int, ...], int] = {}
-        self.device_chunks: list[npt.NDArray[np.int32]] = []
         self.count = 0
+        # Growth past the capacity: by half again without a hint, by a sixteenth past one (a
+        # hint misses only samples kept as records, or frames found past damage; numpy
+        # zero-fills what it grows, so the margin is resident until trimmed).
+        self.growth = 16 if capacity else 2
+        self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        try:
+            self.columns: dict[str, npt.NDArray[Any]] = {
+                name: np.empty(capacity, dtype=_DTYPES[storage]) for name, storage in self.layout
+            }
+            self.device: npt.NDArray[np.int32] = np.empty(capacity, dtype=np.int32)
+        except MemoryError:  # a hint no machine holds (a damaged file's directories): grow
+            if not capacity:
+                raise
+            self._allocate(0)
+            return
+        self.capacity = capacity
+
+    def _reserve(self, n: int) -> tuple[int, int]:
+        """Room for ``n`` more rows; the slice they go to."""
+        a = self.count
+        b = a + n
+        if b > self.capacity:
+            capacity = max(b, self.capacity + self.capacity // self.growth, 4096)
+            for array in (*self.columns.values(), self.device):
+                array.resize(capacity, refcheck=False)  # realloc: no copy where it can
+            self.capacity = capacity
+        return a, b
 
     def add(self, group: list[Any]) -> None:
         n = len(group)
+        a, b = self._reserve(n)
         frame: dict[str, npt.NDArray[Any]] = {}
         for (name, storage), getter in zip(self.layout, self.getters, strict=True):
+            out = self.columns[name][a:b]
             if storage == "cat":
-                array: npt.NDArray[Any] = self.cats[name].codes(list(map(getter, group)))
+                out[:] = self.cats[name].codes(list(map(getter, group)))
             elif storage == "int":
-                array = np.fromiter(map(getter, group), dtype=np.int64, count=n)
+                out[:] = np.fromiter(map(getter, group), dtype=np.int64, count=n)
             else:
                 try:  # straight from the structs when the field has no None in this frame
-                    array = np.fromiter(map(getter, group), dtype=np.float64, count=n)
+                    out[:] = np.fromiter(map(getter, group), dtype=np.float64, count=n)
                 except TypeError:
-                    array = np.array(list(map(getter, group)), dtype=np.float64)  # None -> NaN
-            self.chunks[name].append(array)
-            frame[name] = array
-        self._identify(frame, n)
+                    out[:] = np.array(list(map(getter, group)), dtype=np.float64)  # None: NaN
+            frame[name] = out
+        self._identify(frame, n, a)
 
     def add_columns(self, group: ColumnGroup) -> None:
-        """A format-3 column group, its arrays taken as they are where the storage matches
-        (no event objects)."""
+        """A format-3 column group, its arrays written into the columns (no event objects)."""
         n = group.rows
+        a, b = self._reserve(n)
         frame: dict[str, npt.NDArray[Any]] = {}
         for name, storage in self.layout:
             column = group.columns[name]
             values = column.values
+            out = self.columns[name][a:b]
             if storage == "cat":
                 assert column.dictionary is not None and values is not None
                 lut = self.cats[name].lut(column.dictionary)
                 if column.const:
-                    array: npt.NDArray[Any] = np.full(n, lut[int(values[0])], dtype=np.int32)
-                else:
-                    array = lut[values]
+                    out.fill(lut[int(values[0])])
+                else:  # codes checked against the dictionary by the decoder
+                    np.take(lut, values, out=out, mode="clip")
             elif values is None:
-                array = np.full(n, np.nan)
+                out.fill(np.nan)
             else:
                 if column.const:
-                    array = np.full(n, values[0], dtype=np.float64 if storage == "float" else None)
-                elif storage == "float" and values.dtype != np.float64:
-                    array = values.astype(np.float64)
+                    out.fill(values[0])
                 else:
-                    array = values
+                    out[:] = values
                 if column.present is not None:
-                    if array is values:
-                        array = array.astype(np.float64)
-                    array[~column.present] = np.nan
-            self.chunks[name].append(array)
-            frame[name] = array
+                    out[~column.present] = np.nan
+            frame[name] = out
         if self.kind == "gpu" and group.columns["host"].const:
             gpu = frame["gpu"]
             lo, hi = int(gpu.min()), int(gpu.max())
@@ -296,17 +326,17 @@ class _KindBuilder:
                 lut = np.empty(hi + 1, dtype=np.int32)
                 for g in np.flatnonzero(np.bincount(gpu)).tolist():
                     lut[g] = self.idents.setdefault((host, g), len(self.idents))
-                self.device_chunks.append(lut[gpu])
-                self.count += n
+                np.take(lut, gpu, out=self.device[a:b], mode="clip")
+                self.count = b
                 return
-        self._identify(frame, n)
+        self._identify(frame, n, a)
 
-    def _identify(self, frame: dict[str, npt.NDArray[Any]], n: int) -> None:
+    def _identify(self, frame: dict[str, npt.NDArray[Any]], n: int, a: int) -> None:
+        out = self.device[a : a + n]
         ident = _ident(self.kind, frame)
         first = ident[0]
         if (ident == first).all():  # one device in the frame
-            code = self.idents.setdefault(tuple(first.tolist()), len(self.idents))
-            self.device_chunks.append(np.full(n, code, dtype=np.int32))
+            out.fill(self.idents.setdefault(tuple(first.tolist()), len(self.idents)))
         else:
             packed = _packed(ident)
             if packed is not None and int(packed.max()) < 65536:  # a few devices: count them
@@ -316,37 +346,34 @@ class _KindBuilder:
                 where[packed] = np.arange(n)  # a row of each value, to read its identity
                 for v, row in zip(uniq_packed.tolist(), where[uniq_packed].tolist(), strict=True):
                     lut[v] = self.idents.setdefault(tuple(ident[row].tolist()), len(self.idents))
-                self.device_chunks.append(lut[packed])
-                self.count += n
-                return
-            if packed is not None:  # a 1-D unique, far cheaper than axis=0
-                _, first_rows, inverse = np.unique(packed, return_index=True, return_inverse=True)
-                uniq = ident[first_rows]
+                np.take(lut, packed, out=out, mode="clip")
             else:
-                uniq, inverse = np.unique(ident, axis=0, return_inverse=True)
-            lut = np.array(
-                [self.idents.setdefault(tuple(v), len(self.idents)) for v in uniq.tolist()],
-                dtype=np.int32,
-            )
-            self.device_chunks.append(lut[inverse.reshape(-1)])
-        self.count += n
+                if packed is not None:  # a 1-D unique, far cheaper than axis=0
+                    _, first_rows, inverse = np.unique(
+                        packed, return_index=True, return_inverse=True
+                    )
+                    uniq = ident[first_rows]
+                else:
+                    uniq, inverse = np.unique(ident, axis=0, return_inverse=True)
+                lut = np.array(
+                    [self.idents.setdefault(tuple(v), len(self.idents)) for v in uniq.tolist()],
+                    dtype=np.int32,
+                )
+                out[:] = lut[inverse.reshape(-1)]
+        self.count = a + n
 
     def take(self) -> tuple[dict[str, npt.NDArray[Any]], npt.NDArray[np.int32]]:
         """The columns of everything added so far, and each row's device (index into
-        :attr:`idents`); the chunks are forgotten."""
-        out: dict[str, npt.NDArray[Any]] = {}
-        for name, storage in self.layout:
-            chunks = self.chunks[name]
-            if not chunks:
-                dtype = {"int": np.int64, "float": np.float64, "cat": np.int32}[storage]
-                out[name] = np.empty(0, dtype=dtype)
-            else:
-                out[name] = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
-            chunks.clear()
-        device = self.device_chunks
-        codes = np.concatenate(device) if device else np.empty(0, dtype=np.int32)
-        device.clear()
+        :attr:`idents`); the builder starts again empty (without a capacity)."""
+        n = self.count
+        out = self.columns
+        codes = self.device
+        if self.capacity != n:  # trimmed in place (realloc), nothing else refers to them
+            for array in (*out.values(), codes):
+                array.resize(n, refcheck=False)
         self.count = 0
+        self.growth = 2
+        self._allocate(0)
         return out, codes
 
 
@@ -501,7 +528,8 @@ def load_columns(
             :class:`~zeus_async.store.Recording` names devices.
     """
     hosts = _Categories()
-    builders = {kind: _KindBuilder(kind, hosts) for kind in SAMPLE_KINDS}
+    rows = reader.column_rows()  # format 3: each kind's arrays sized once, up front
+    builders = {kind: _KindBuilder(kind, hosts, rows.get(kind, 0)) for kind in SAMPLE_KINDS}
     others: list[Event] = []
     counts: dict[str, int] = {}
     stream_hosts: set[str] = set()

@@ -53,7 +53,7 @@ from ..events import (
     event_kind,
     event_topic,
 )
-from .columnar import ColumnarFrame, decode_payload
+from .columnar import ColumnarFrame, decode_payload, directory_rows
 from .format import (
     FORMAT_VERSION,
     FRAME_MAGIC,
@@ -742,6 +742,38 @@ class RecordingReader:
             self._index = index
             self._index_t = [t for _, t in index]
         return self._index
+
+    def column_rows(self) -> dict[str, int]:
+        """Rows per column kind (``"gpu"``, ``"rapl"``, ``"proc"``) that the frames of a
+        format-3 recording declare, read from the frame prefixes and the directories at the
+        start of the payloads (nothing expanded, no CRC checked); empty for formats 1 and 2.
+
+        A capacity hint for a columnar load (one array per field, filled frame by frame): exact
+        for an undamaged recording; damage can make it too large or too small, so the load
+        trims or grows to what it actually decodes. The walk stops at the first prefix that
+        does not lead to another frame (no resynchronization).
+        """
+        rows: dict[str, int] = {}
+        for k, part in enumerate(self._parts):
+            head = self._part_head(k)
+            if isinstance(head, str) or not head[1].columnar:
+                continue
+            with self._mapped(part.path) as (buf, end):
+                view = memoryview(buf)
+                try:
+                    pos = head[0]
+                    while pos + FRAME_PREFIX_SIZE <= end:
+                        prefix = unpack_frame_prefix(buf, pos)
+                        start = pos + FRAME_PREFIX_SIZE
+                        if prefix is None or start + prefix.payload_len > end:
+                            break
+                        got = directory_rows(view[start : start + prefix.payload_len])
+                        for kind, n in (got or {}).items():
+                            rows[kind] = rows.get(kind, 0) + n
+                        pos = start + prefix.payload_len
+                finally:
+                    view.release()
+        return rows
 
     def _start_for(self, t_ns: int) -> int:
         index = self.frame_index()
