@@ -593,10 +593,11 @@ class Runtime:
         pid: int | None,
         source: str,
         read_original: Callable[[], float | None],
-    ) -> None:
+    ) -> bool:
+        """Hold ``setting`` of ``control`` for ``holder``; whether the lease is new."""
         uuid = control.describe().uuid if isinstance(control, Device) else f"index-{control.index}"
         leases = self._leases()
-        await run_sync(
+        return await run_sync(
             functools.partial(
                 leases.take,
                 uuid=uuid or f"index-{control.index}",
@@ -608,6 +609,35 @@ class Runtime:
                 source=source,
             )
         )
+
+    async def _take_all(
+        self,
+        controls: Sequence[GpuControl],
+        setting: Setting,
+        holder: str,
+        pid: int | None,
+        source: str,
+    ) -> None:
+        """Take ``setting``'s lease on every GPU of a request before any GPU is changed, so
+        that a lease that cannot be journalled (a full disk) or is held by another client
+        leaves every GPU as it was; the leases this request took are dropped again then."""
+        new: list[GpuControl] = []
+        try:
+            for control in controls:
+                original: Callable[[], float | None] = (
+                    control.get_power_limit_w if setting == "power_limit" else lambda: None
+                )
+                if await self._take(control, setting, holder, pid, source, original):
+                    new.append(control)
+        except BaseException:
+            held = self._held(holder, new, setting) if new else []
+            if held:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await run_sync(self._leases().forget, held)
+                    except Exception as exc:  # kept: restored later, to the value in force
+                        logger.warning("dropping the leases of a refused change failed: %s", exc)
+            raise
 
     async def set_power_limit(
         self,
@@ -648,9 +678,9 @@ class Runtime:
                         f"power limit {watts:g} W for gpu:{control.index} is outside the "
                         f"supported range [{lo:g}, {hi:g}] W"
                     )
-                await self._take(
-                    control, "power_limit", holder, pid, source, control.get_power_limit_w
-                )
+            # Every lease first: a refusal on one GPU changes none.
+            await self._take_all(controls, "power_limit", holder, pid, source)
+            for control in controls:
                 changes.append(await self._set_one_limit(control, watts, source))
                 # Back to the value in force before the lease: nothing left to restore.
                 held = self._held(holder, [control], "power_limit")
@@ -702,6 +732,8 @@ class Runtime:
         hz = None if mhz is None else float(mhz) * 1e6
         changes: list[ClockChange] = []
         async with self._control_lock:
+            if hz is not None:  # every lease first: a refusal on one GPU changes none
+                await self._take_all(controls, "sm_clocks", holder, pid, source)
             for control in controls:
                 if hz is None:
                     held = self._held(holder, [control], "sm_clocks")
@@ -709,7 +741,6 @@ class Runtime:
                     if held:
                         await run_sync(self._leases().forget, held)
                 else:
-                    await self._take(control, "sm_clocks", holder, pid, source, lambda: None)
                     await run_sync(control.lock_sm_clocks_hz, hz, hz)
                 changes.append(await self._publish_clock(control, hz, source))
         return changes
