@@ -4,9 +4,10 @@ an Apple-like 10 ms model grid read every ~10.25 ms, the reads drifting against 
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 
-from zeus_async.aggregate.history import DeviceHistory
+from zeus_async.aggregate.history import DeviceHistory, reads_exact
 from zeus_async.events import DeviceInfo
 
 MS = 1_000_000
@@ -54,9 +55,6 @@ def _starts(h: DeviceHistory) -> list[int]:
     ]
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 37: the phase-only grid fit for a known period is not done yet"
-)
 def test_a_known_period_is_kept_against_drifting_reads() -> None:
     """Told the 10 ms period, the grid's phase is fitted and windows of constant power are
     exact to the counter's mJ rounding, at the stream's start too; learned from the 10.25 ms
@@ -77,3 +75,57 @@ def test_old_device_info_decodes_with_an_unknown_period() -> None:
     new = DeviceInfo("gpu:0", "GPU", energy_counter_period_s=0.001)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=DeviceInfo) == new
     assert pytest.approx(0.001) == new.energy_counter_period_s
+
+
+def _reads(h: DeviceHistory, times: list[int]) -> None:
+    """Reads of the 10 ms grid (20 W, mJ counts) at ``times``."""
+    prev_t = prev_c = None
+    for t in times:
+        last = (t - PHASE) // PERIOD * PERIOD + PHASE
+        counter = round(_truth(0, last), 3)
+        power = None if prev_t is None else (counter - prev_c) / ((t - prev_t) / 1e9)
+        h.add(t, power, counter)
+        prev_t, prev_c = t, counter
+
+
+def test_a_late_second_read_does_not_make_the_counter_exact() -> None:
+    """A sampler whose first interval is two periods long (20.5 ms, then ~10 ms reads jittering
+    around a phase locked to the grid, as a real-clock sampler does): the counter is not
+    taken as exact at every read (the AMD regime), and its updates are placed on the grid."""
+    times = [1_000 * MS, 1_020 * MS + 500_000]
+    for k in range(1, 60):
+        times.append(times[1] + k * PERIOD + (600_000 if k % 2 else -400_000))
+    h = DeviceHistory("gpu:0", counter_period_s=0.01)
+    _reads(h, times)
+    assert not h.fine_counter
+    assert h._grid_phase() is not None
+    errors = _errors(h, [times[0] + k * 3 * MS for k in range(100)])
+    assert max(abs(e) for e in errors) <= 0.005, max(abs(e) for e in errors)
+    arrays = np.asarray(times, dtype=np.int64), np.full(len(times), 1.0)
+    assert not reads_exact(0.01, *arrays)
+    assert reads_exact(0.001, *arrays)
+
+
+def test_a_read_interval_without_an_update_pins_the_phase() -> None:
+    """Reads 9.5 ms apart: an interval that saw no update has no grid instant in it."""
+    h = DeviceHistory("gpu:0", counter_period_s=0.01)
+    _reads(h, [1_000 * MS + k * 9_500_000 for k in range(60)])
+    phase = h._grid_phase()
+    assert phase is not None
+    assert abs((phase - PHASE) % PERIOD) <= 0.6 * MS or abs((PHASE - phase) % PERIOD) <= 0.6 * MS
+    errors = _errors(
+        h, _starts(h)[:40] + [h.first_t_ns + 300 * MS + k * 777_777 for k in range(60)]
+    )
+    assert max(abs(e) for e in errors) <= 0.005, max(abs(e) for e in errors)
+
+
+def test_reads_at_the_period_leave_the_phase_open() -> None:
+    """Reads exactly one period apart say nothing of the grid's phase: the update grid is
+    learned from the samples as without a known period (the same figures)."""
+    times = [1_000 * MS + k * PERIOD + 1_234_567 for k in range(80)]
+    known, learned = DeviceHistory("gpu:0", counter_period_s=0.01), DeviceHistory("gpu:0")
+    _reads(known, times)
+    _reads(learned, times)
+    assert known._grid_phase() is None
+    starts = [times[0] + k * 3 * MS for k in range(150)]
+    assert _errors(known, starts) == _errors(learned, starts)

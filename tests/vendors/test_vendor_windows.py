@@ -172,6 +172,7 @@ def test_energy_is_there_at_once_then_exact(vendor: VendorCase) -> None:
         exact = "counter" if vendor.energy_counter else "integrated"
         assert m.methods["gpu:0"].startswith(exact), m.methods
         truth = node.truth_energy_j(0, m.start_ns, m.end_ns)
-        # Constant power; the edges of a 50 ms window: a counter period (Apple's: 10 ms)
-        # or sensor cycle each.
-        assert m.gpu_energy_j[0] == pytest.approx(truth, rel=0.25)
+        # Constant power; the edges of a 50 ms window: a counter period or sensor cycle each;
+        # Apple's 10 ms counter, read every ~10.25 ms, on its own grid (issue 37).
+        rel = 0.03 if vendor.vendor == "apple" else 0.25
+        assert m.gpu_energy_j[0] == pytest.approx(truth, rel=rel)

@@ -75,6 +75,9 @@ logger = logging.getLogger(__name__)
 #: Counter updates after which the span's start values are final (the grid fits around the first
 #: updates no longer change), and how many a bounded history keeps.
 _SETTLED = 2 * _FIT_RADIUS + 4
+#: Read intervals of two counter periods or more after which a device's counter is taken as
+#: exact at every reading (DeviceHistory._decide_exact, reads_exact).
+_EXACT_READS = 3
 #: Samples between two compactions of a bounded history.
 _COMPACT_EVERY = 1024
 #: An edge whose samples around it are this many typical sample intervals apart came late.
@@ -112,15 +115,16 @@ def reads_exact(
     period_s: float, t_ns: npt.NDArray[np.int64], counter_j: npt.NDArray[np.float64] | None
 ) -> bool:
     """Whether a counter of update period ``period_s`` (0: unknown) is exact at every reading
-    in these samples: its first two reads (NaN: none) lie two periods apart or more, as
-    :meth:`DeviceHistory.add` decides at the second read."""
+    in these samples: its first :data:`_EXACT_READS` read intervals (NaN: no read; fewer
+    where there are fewer) are two periods long or more, as :meth:`DeviceHistory.add`
+    decides."""
     if period_s <= 0 or counter_j is None:
         return False
     import numpy as np
 
     t = np.asarray(t_ns, dtype=np.int64)[~np.isnan(np.asarray(counter_j, dtype=np.float64))]
-    later = t[t > t[0]] if len(t) else t
-    return bool(len(later)) and 2 * round(period_s * 1e9) <= int(later[0]) - int(t[0])
+    gaps = np.diff(np.unique(t))[:_EXACT_READS]
+    return bool(len(gaps)) and bool((gaps >= 2 * round(period_s * 1e9)).all())
 
 
 def _owned(values: npt.NDArray[Any], given: object) -> npt.NDArray[Any]:
@@ -163,11 +167,13 @@ class DeviceHistory(CounterPeriods):
             ``integrated+average``); counter-based figures never use them.
         counter_period_s: How often the counter updates, as the device says
             (``DeviceInfo.energy_counter_period_s``; 0: unknown, learned from the samples).
-            Where the first two counter reads lie at least two periods apart
+            Where the first three read intervals are two periods long or more
             (:func:`reads_exact`: an MI300's 1 ms counter read every 10 ms) every reading is
             an exact point, as with ``fine_counter``, and a window edge between two reads is
-            placed by the power readings at both; otherwise (not yet used, issue 37) the
-            update grid is still learned from the samples.
+            placed by the power readings at both; otherwise (Apple's 10 ms counter read every
+            ~10 ms) the updates lie on the device's grid, its phase fixed by the read
+            intervals whose update count is certain (:meth:`_grid_phase`), and learned from
+            the samples as without a period until some interval says it.
     """
 
     def __init__(
@@ -190,6 +196,12 @@ class DeviceHistory(CounterPeriods):
         self.counter_period_ns = round(period * 1e9) if period > 0 else 0
         # Whether the second counter read is still to say if each reading is exact (add()).
         self._exact_undecided = bool(self.counter_period_ns) and not fine_counter
+        # The reads held back meanwhile, with what _coarse_read needs of each (_decide_exact).
+        self._exact_pending: list[tuple[int, float, float | None, bool, float, int]] = []
+        # The known period's grid phase (CounterPeriods._grid_phase): the phases the brackets
+        # allow so far (None: no constraint yet) and the last counter point read for them.
+        self._phase_arcs: list[tuple[float, float]] | None = None
+        self._phase_upto = -1
         self.bounded = bounded
         lag = max(float(reading_lag_s), 0.0) if reading_lag_s == reading_lag_s else 0.0
         window = max(float(reading_window_s), 0.0) if reading_window_s == reading_window_s else 0.0
@@ -397,40 +409,26 @@ class DeviceHistory(CounterPeriods):
                 self._last_power = power_w
             if counter_j is not None:
                 self.has_counter = True
+                held = False
                 if self._first_reading is None:
                     self._first_reading = (t_ns, counter_j)
                 elif self._exact_undecided:
-                    self._decide_exact(t_ns)
-                if self.fine_counter:
+                    held = self._decide_exact(t_ns, counter_j, power_w, power_changed)
+                if held:
+                    pass  # read once the reads' spacing has said what the counter is
+                elif self.fine_counter:
                     if not self._ct:
                         self._ct_first = t_ns
                     self._ct.append(t_ns)
                     self._cb.append(t_ns)
                     self._ce.append(counter_j)
                     self._cp.append(_NAN)
-                elif self._last_counter is not None and counter_j != self._last_counter:
-                    assert self._last_counter_t is not None
-                    if not self._ct:
-                        self._ct_first = (self._last_counter_t + t_ns) // 2
-                    instant = (self._last_counter_t + t_ns) // 2
-                    self._ct.append(instant)
-                    self._cb.append(self._last_counter_t)
-                    self._ce.append(counter_j)
-                    self._cp.append(power_w if power_w is not None else _NAN)
-                    self.counter_updates += 1
-                    self._evidence.update(
-                        instant,
-                        counter_j,
-                        self._reading_sum,
-                        self._readings,
-                        t_ns - self._last_counter_t,
+                    self._last_counter = counter_j
+                    self._last_counter_t = t_ns
+                else:
+                    self._coarse_read(
+                        t_ns, counter_j, power_w, power_changed, self._reading_sum, self._readings
                     )
-                    if power_changed:
-                        self.power_changes_with_counter += 1
-                # (The first reading of a coarse counter belongs to an earlier, unknown update
-                # instant, so it is no interpolation point.)
-                self._last_counter = counter_j
-                self._last_counter_t = t_ns
             if power_changed:
                 self.power_changes += 1
             self.last_t_ns = t_ns
@@ -440,20 +438,81 @@ class DeviceHistory(CounterPeriods):
                     self._since_compact = 0
                     self._compact()
 
-    def _decide_exact(self, t_ns: int) -> None:
-        """At the second counter read (``t_ns``): where the device's counter period is at most
-        half the spacing of the reads, every reading is an exact point (``fine_counter``),
-        the first one included."""
-        self._exact_undecided = False
+    def _coarse_read(
+        self,
+        t_ns: int,
+        counter_j: float,
+        power_w: float | None,
+        power_changed: bool,
+        reading_sum: float,
+        readings: int,
+    ) -> None:
+        """One reading of a coarse counter: a counter point where it changed (its bracket from
+        the previous read), with the readings' sum and count as of that read."""
+        if self._last_counter is not None and counter_j != self._last_counter:
+            assert self._last_counter_t is not None
+            if not self._ct:
+                self._ct_first = (self._last_counter_t + t_ns) // 2
+            instant = (self._last_counter_t + t_ns) // 2
+            self._ct.append(instant)
+            self._cb.append(self._last_counter_t)
+            self._ce.append(counter_j)
+            self._cp.append(power_w if power_w is not None else _NAN)
+            self.counter_updates += 1
+            self._evidence.update(
+                instant,
+                counter_j,
+                reading_sum,
+                readings,
+                t_ns - self._last_counter_t,
+            )
+            if power_changed:
+                self.power_changes_with_counter += 1
+        elif (
+            self.counter_period_ns
+            and self._last_counter_t is not None
+            and t_ns - self._last_counter_t < self.counter_period_ns
+        ):
+            # No update in a read interval shorter than the period: no grid instant
+            # in it, which pins the grid's phase (issue 37).
+            self._phase_constrain(t_ns, self._last_counter_t + self.counter_period_ns)
+        # (The first reading of a coarse counter belongs to an earlier, unknown update
+        # instant, so it is no interpolation point.)
+        self._last_counter = counter_j
+        self._last_counter_t = t_ns
+
+    def _decide_exact(
+        self, t_ns: int, counter_j: float, power_w: float | None, power_changed: bool
+    ) -> bool:
+        """A counter read while it is still to say whether every reading is an exact point
+        (``fine_counter``): so where the device's counter period is at most half the spacing
+        of the first :data:`_EXACT_READS` read intervals (one long first interval, a sampler
+        starting late, does not make a 10 ms counter read every 10 ms exact). Returns whether
+        this read is held back until then; a read interval under two periods ends the wait,
+        and the reads held back are read as a coarse counter's."""
         first = self._first_reading
         assert first is not None and not self._ct
-        if 2 * self.counter_period_ns <= t_ns - first[0]:
-            self.fine_counter = True
-            self._ct_first = first[0]
-            self._ct.append(first[0])
-            self._cb.append(first[0])
-            self._ce.append(first[1])
+        pending = self._exact_pending
+        prev = pending[-1][0] if pending else first[0]
+        if t_ns - prev < 2 * self.counter_period_ns:
+            self._exact_undecided = False
+            self._exact_pending = []
+            for read in pending:
+                self._coarse_read(*read)
+            return False
+        pending.append((t_ns, counter_j, power_w, power_changed, self._reading_sum, self._readings))
+        if len(pending) < _EXACT_READS:
+            return True
+        self._exact_undecided = False
+        self._exact_pending = []
+        self.fine_counter = True
+        self._ct_first = first[0]
+        for t, c in [first, *((read[0], read[1]) for read in pending[:-1])]:
+            self._ct.append(t)
+            self._cb.append(t)
+            self._ce.append(c)
             self._cp.append(_NAN)
+        return False
 
     def set_counter_period(self, period_s: float) -> None:
         """Say the counter's update period (``counter_period_s``) of a history filled by
@@ -462,8 +521,10 @@ class DeviceHistory(CounterPeriods):
         with self._lock:
             self.counter_period_ns = round(period_s * 1e9) if period_s > 0 else 0
             self._exact_undecided = False
+            self._exact_pending = []
             self._refined_cache.clear()
             self._lead = None
+            self._phase_arcs, self._phase_upto = None, -1
 
     def add_average(self, t_ns: int, avg_w: float) -> None:
         """Record one reading of the driver's sliding average (``avg_power_w``); ignored where
@@ -583,6 +644,15 @@ class DeviceHistory(CounterPeriods):
             ct = self._ct
             if self.has_counter and (ct or not self.fine_counter):
                 split = "power" if self.fine_counter else self._split()
+                if not self.fine_counter and len(ct) > 1 and self._grid_phase() is not None:
+                    # The device's grid (issue 37) puts an update anywhere in its bracket: the
+                    # updates after t_ns are the grid's instants, not the brackets' midpoints.
+                    need = 1
+                    if split == "time" and bisect.bisect_right(ct, t_ns) >= 2:
+                        need = 3
+                    elif split == "head":
+                        need = 2
+                    return len(ct) >= need and self._refined(len(ct) - need) >= t_ns
                 if split == "time" and bisect.bisect_right(ct, t_ns) >= 2:
                     # The period holding t_ns is split using the next two periods' mean
                     # powers (the sloped split and its step test, which the first two

@@ -37,7 +37,38 @@ _STEP_MIN = 0.05
 #: ... and only where every update involved was seen within this fraction of a period.
 _STEP_BRACKET = 0.1
 
+#: A phase constraint is widened by this fraction of the period on each side (a read's stamp
+#: is taken a little before the counter is read).
+_PHASE_SLACK = 0.005
+#: Two neighbouring read intervals whose energies agree within this fraction say how much
+#: energy one update holds (:meth:`CounterPeriods._phase_scan`).
+_COUNT_TOL = 0.08
+
 _Lead = tuple[float, float, float, float, float, float]
+
+
+def _phase_arcs(
+    arcs: list[tuple[float, float]] | None, lo: float, hi: float, period: int
+) -> list[tuple[float, float]] | None:
+    """The phases (in ``[0, period)``) of ``arcs`` (``None``: all) that put a grid instant in
+    ``(lo, hi]``, widened by :data:`_PHASE_SLACK` periods on each side: ``None`` where that
+    allows every phase (no constraint), an empty list where it contradicts ``arcs``."""
+    if hi <= lo:
+        return None  # a count the interval cannot hold (two updates in one period's time)
+    slack = _PHASE_SLACK * period
+    lo, hi = lo - slack, hi + slack
+    if hi - lo >= period:
+        return None
+    a = lo % period
+    b = a + (hi - lo)
+    new = [(a, min(b, float(period)))] + ([(0.0, b - period)] if b > period else [])
+    if arcs is None:
+        return new
+    return [
+        (max(x0, y0), min(x1, y1)) for x0, x1 in arcs for y0, y1 in new if max(x0, y0) < min(x1, y1)
+    ]
+
+
 #: How energy is shared out inside a counter period: the head model, the power readings, a line.
 _Split = Literal["head", "power", "time"]
 _SPLITS: tuple[_Split, ...] = ("time", "power", "head")
@@ -103,6 +134,8 @@ class CounterPeriods:
     _ct_trimmed: bool
     _pin_cum: dict[float, float]
     _pin_counter: dict[tuple[float, _Split], float]
+    _phase_arcs: list[tuple[float, float]] | None
+    _phase_upto: int
 
     def _counter_start(self) -> float:
         """Where the counter's coverage starts: the lead-in's start, else the first update."""
@@ -153,6 +186,10 @@ class CounterPeriods:
             return "power"
         if self._head_model_active():
             return "head"
+        if self._grid_phase() is not None:
+            # The device's update grid: each period's energy is exact at 10 ms-like steps,
+            # finer than reads whose power is the counter's own mean since the last read.
+            return "time"
         if (
             not self.fine_counter
             and self._pt
@@ -183,6 +220,13 @@ class CounterPeriods:
             return c0 + self._period_partial(energy, h, nxt, offset, length)
         ct, ce, cp = self._ct, self._ce, self._cp
         i = bisect.bisect_right(ct, t_ns)
+        if not self.fine_counter and len(ct) > 1 and self._grid_phase() is not None:
+            # The device's grid puts an update anywhere in its bracket, not only near the
+            # bracket's middle: an instant between the first (last) update and that midpoint.
+            if i == 0 and t_ns >= refined(0):
+                i = 1
+            elif i == len(ct) and t_ns < refined(i - 1):
+                i -= 1
         t_a = t_b = 0.0
         if 0 < i < len(ct) and not self.fine_counter:
             # The raw instants are midpoints of the sample interval that saw each update;
@@ -362,15 +406,25 @@ class CounterPeriods:
         three observed updates and a counter reading in the span's first sample; kept once
         final (the grid fit around the first update is).
         """
-        if self._lead is not None:
-            return self._lead
         ct, first = self._ct, self._first_reading
+        phase = self._grid_phase()
+        if self._lead is not None and phase is None:
+            return self._lead
         if self.fine_counter or first is None or len(ct) < 3 or self._ct_trimmed:
             return None
         if first[0] != self.first_t_ns:
             # The counter was first read after the span began: the head stays integrated from
             # power (and a bounded history need not keep the samples before that reading).
             return None
+        if phase is not None:
+            # The device's grid: the lead-in starts at the last update at or before the first
+            # reading, whose value the reading holds.
+            period = self.counter_period_ns
+            start = math.floor((first[0] - phase) / period) * period + phase
+            u1 = self._refined(0)
+            if start >= u1:
+                return None
+            return (start, first[1], u1, self._ce[0], self._cp[0], self._cp[1])
         n = min(len(ct), _FIT_RADIUS + 1)
         diffs = sorted(ct[i + 1] - ct[i] for i in range(n - 1))
         period = diffs[len(diffs) // 2]
@@ -392,6 +446,13 @@ class CounterPeriods:
         with too few neighbours.
         """
         ct = self._ct
+        phase = self._grid_phase()
+        if phase is not None:
+            # The device's period on its fitted phase: the last grid instant at or before the
+            # read that saw the update.
+            period = self.counter_period_ns
+            read = 2 * ct[k] - self._cb[k]
+            return float(math.floor((read - phase) / period) * period + phase)
         lo, hi = max(0, k - _FIT_RADIUS), min(len(ct), k + _FIT_RADIUS + 1)
         key = (ct[lo], ct[k], ct[hi - 1], self._ce[k])
         cache = self._refined_cache
@@ -402,6 +463,95 @@ class CounterPeriods:
                 self._typical_cache.clear()
             value = cache[key] = self._fit(k, lo, hi)
         return value
+
+    def _phase_constrain(self, lo: float, hi: float) -> None:
+        """An update instant of the device's grid lies in ``(lo, hi]``: keep the phases
+        (instants modulo :attr:`counter_period_ns`) that allow it. Where none is left the
+        bracket contradicts the earlier ones (a stamp off, an update of no energy): the phase
+        is anchored on it anew."""
+        arcs = _phase_arcs(self._phase_arcs, lo, hi, self.counter_period_ns)
+        if arcs is not None and not arcs:
+            logger.debug("counter grid phase re-anchored at %d ns", int(lo))
+            arcs = _phase_arcs(None, lo, hi, self.counter_period_ns)
+        if arcs is not None:
+            self._phase_arcs = arcs
+
+    def _phase_scan(self) -> tuple[float, float] | None:
+        """Read the counter points not read yet for the grid's phase; returns the constraint
+        the last one gives as far as can be told yet (its count judged by the energy of the
+        interval before it alone), which is not kept.
+
+        A read interval ``(a, b]`` holding ``n`` updates of period ``P`` puts the first of them
+        in ``(max(a, b - n P), min(a + P, b - (n - 1) P)]``. The count is certain where the
+        interval is shorter than the period (an observed update: one; none seen: none, see
+        :meth:`DeviceHistory.add`); where it is up to 1.5 periods long, it is one or two, told
+        apart by the energy where both neighbouring intervals (each up to 1.5 periods long,
+        so that two neighbours never both hold two) agree on what one update holds.
+        """
+        ct, cb, ce = self._ct, self._cb, self._ce
+        period = self.counter_period_ns
+        start = bisect.bisect_right(ct, self._phase_upto)
+        n_ct = len(ct)
+        for i in range(start, n_ct):
+            a, b = cb[i], 2 * ct[i] - cb[i]
+            length = b - a
+            if length < period:
+                self._phase_constrain(a, b)
+            elif i >= 2 and 2 * length < 3 * period and 2 * (ct[i - 1] - cb[i - 1]) < 3 * period:
+                before = ce[i - 1] - ce[i - 2]
+                last = i + 1 >= n_ct
+                after = before if last else ce[i + 1] - ce[i]
+                unit = (before + after) / 2
+                if (
+                    unit > 0
+                    and abs(before - after) <= _COUNT_TOL * unit
+                    and (last or 2 * (ct[i + 1] - cb[i + 1]) < 3 * period)
+                ):
+                    ratio = (ce[i] - ce[i - 1]) / unit
+                    n = (
+                        1
+                        if abs(ratio - 1) <= _COUNT_TOL
+                        else 2
+                        if abs(ratio - 2) <= 2 * _COUNT_TOL
+                        else 0
+                    )
+                    if n:
+                        bounds = max(a, b - n * period), min(a + period, b - (n - 1) * period)
+                        if last:
+                            return bounds  # read again with the next interval's energy
+                        self._phase_constrain(*bounds)
+            if i + 1 >= n_ct and length >= period:
+                break  # its count waits for the next interval
+            self._phase_upto = ct[i]
+        return None
+
+    def _grid_phase(self) -> float | None:
+        """The phase (update instants modulo :attr:`counter_period_ns`) of the device's update
+        grid, for a coarse counter whose period the device says (issue 37), else ``None``.
+
+        Fixed by the read intervals whose update count is certain (:meth:`_phase_scan`): the
+        middle of the widest arc of phases they allow, as far as can be from the reads that
+        bound it (reads that keep their phase against the grid leave a wide arc, where every
+        phase counts the updates alike; drifting ones narrow it). ``None`` (the grid learned
+        from the samples) until some interval constrains it.
+        """
+        period = self.counter_period_ns
+        if not period or self.fine_counter:
+            return None
+        pending = self._phase_scan()
+        arcs = self._phase_arcs
+        if pending is not None:
+            arcs = _phase_arcs(arcs, *pending, period) or arcs
+        if not arcs:
+            return None
+        arcs = sorted(arcs)
+        a, b = max(arcs, key=lambda arc: arc[1] - arc[0])
+        if len(arcs) > 1 and arcs[0][0] == 0.0 and arcs[-1][1] == period:
+            # One arc across the period's end, split in two.
+            head, tail = arcs[0], arcs[-1]
+            if head[1] + period - tail[0] > b - a:
+                return (tail[0] + head[1] + period) / 2 % period
+        return (a + b) / 2
 
     def _fit(self, k: int, lo: int, hi: int) -> float:
         """The instant of update ``k`` on the grid fitted to updates ``lo`` to ``hi - 1``.
