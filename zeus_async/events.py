@@ -399,6 +399,8 @@ class RequestMeasurement(msgspec.Struct, tag="request", **_OPTS):
     ``gpu_energy_j`` maps GPU index to joules; ``prefill_j``/``decode_j`` split it by phase
     when the server marked them; ``policy`` is how concurrent requests shared each moment
     (``equal``, ``tokens``), and ``method`` adds the energy estimator's method.
+    ``finish_reason``: ``completed``, ``cancelled``, ``error`` or ``unfinished`` (settled past
+    the meter's maximum age without an end).
     """
 
     host: str
@@ -414,6 +416,7 @@ class RequestMeasurement(msgspec.Struct, tag="request", **_OPTS):
     tokens_out: NonNegInt = 0
     policy: str = ""
     method: str = ""
+    finish_reason: str = "completed"
 
 
 class RequestIdle(msgspec.Struct, tag="request_idle", **_OPTS):

@@ -26,6 +26,14 @@ A request's figures are labelled with its route and model for the Prometheus CO2
 the route is ``scope["state"]["route"]`` when the app sets it, else the matched route's
 template (FastAPI's ``scope["route"].path``), never the raw path; the model is
 ``scope["state"]["model"]`` (``request.state.model = "llama-3-8b"``).
+
+A request whose app raised, or answered with a 5xx status, is settled with ``finish_reason``
+``error``; one whose client went away (the app cancelled, or returning without its last body
+message) ``cancelled``. Whatever the app puts in ``state`` (``tokens = (10, None)``, GPUs
+that are not indices), the middleware never raises for it: the meter counts it as bad input
+(``totals.bad_input``) and the request is still metered. The header wait never settles on the
+event loop: it asks the meter for a settle in the meter's thread
+(:meth:`~.meter.RequestMeter.settle_soon`) and looks for the figure.
 """
 
 from __future__ import annotations
@@ -90,30 +98,46 @@ class EnergyMiddleware:
             return
         rid = f"{self._prefix}-{next(self._ids)}"
         state = scope.setdefault("state", {})
-        self.meter.begin(rid, tuple(state.get("gpus", self.gpus)))
+        meter = self.meter
+        try:
+            meter.begin(rid, state.get("gpus", self.gpus))
+        except Exception:  # a state that is not a mapping: the meter checks the GPUs
+            meter.begin(rid, self.gpus)
         held: list[Message] = []
         chunks = 0
         ended = False
+        failed = False  # a 5xx status
 
-        def finish() -> None:
+        def finish(reason: str) -> None:
+            # Never raises: the meter checks the values (counted as bad input there).
             nonlocal ended
             if ended:
                 return
             ended = True
-            tokens_in, tokens_out = state.get("tokens", (0, 0))
-            route = state.get("route") or getattr(scope.get("route"), "path", "")
-            self.meter.end(
-                rid,
-                tokens_in=int(tokens_in),
-                tokens_out=int(tokens_out),
-                route=str(route or ""),
-                model=str(state.get("model") or ""),
-            )
+            try:
+                tokens = state.get("tokens", (0, 0))
+                route = state.get("route") or getattr(scope.get("route"), "path", "")
+                model = state.get("model") or ""
+            except Exception:
+                tokens, route, model = (0, 0), "", ""
+            try:
+                tokens_in, tokens_out = tokens
+            except Exception:
+                tokens_in = tokens_out = None  # not a pair: the meter counts both
+            if reason == "completed":
+                meter.end(rid, tokens_in=tokens_in, tokens_out=tokens_out, route=route,
+                          model=model)  # fmt: skip
+            else:
+                meter.abort(rid, reason, tokens_in=tokens_in, tokens_out=tokens_out,
+                            route=route, model=model)  # fmt: skip
 
         async def metered_send(message: Message) -> None:
             nonlocal chunks
+            nonlocal failed
             kind = message["type"]
             if kind == "http.response.start":
+                status = message.get("status", 200)
+                failed = type(status) is int and status >= 500
                 headers = list(message.get("headers", []))
                 headers.append((b"x-energy-request-id", rid.encode()))
                 message = {**message, "headers": headers}
@@ -126,7 +150,7 @@ class EnergyMiddleware:
                 if chunks == 1 and more:
                     self.meter.phase(rid)  # the first chunk of a stream: decoding
                 if not more:
-                    finish()
+                    finish("error" if failed else "completed")
                 if self.energy_header:
                     held.append(message)
                     if not more:
@@ -136,8 +160,17 @@ class EnergyMiddleware:
 
         try:
             await self.app(scope, receive, metered_send)
-        finally:
-            finish()  # an app that failed, or never sent its last body message
+        except anyio.get_cancelled_exc_class():
+            finish("cancelled")
+            raise
+        except OSError:  # the client's connection broke under a send
+            finish("cancelled")
+            raise
+        except BaseException:
+            finish("error")
+            raise
+        # An app that returned without its last body message: the client went away.
+        finish("cancelled")
 
     async def _release(self, rid: str, held: list[Message], send: Send) -> None:
         """Send the held response with the request's energy in its headers."""
@@ -159,12 +192,10 @@ class EnergyMiddleware:
     async def _figure(self, rid: str) -> Any:
         deadline = anyio.current_time() + self.header_wait_s
         while True:
-            for r in self.meter.settle():
-                if r.request_id == rid:
-                    return r
             found = self.meter.settled(rid)
             if found is not None:
                 return found
+            self.meter.settle_soon()  # in the meter's thread, never on this loop
             if anyio.current_time() >= deadline:
                 logger.debug("request %s: energy not attributed within %g s", rid,
                              self.header_wait_s)  # fmt: skip

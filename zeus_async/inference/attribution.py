@@ -129,6 +129,8 @@ class RequestEnergy:
             (``RequestMeter(carbon=...)``): the intensity in force at each instant weighted by
             the energy attributed to the request then; ``None`` otherwise.
         route, model: Labels the server gave at its end (``RequestMeter.end``), ``""`` if none.
+        finish_reason: ``completed``, ``cancelled``, ``error`` or ``unfinished``
+            (``RequestMeter.abort``, ``max_age_s``); ``completed`` outside a meter.
     """
 
     request_id: str
@@ -146,6 +148,7 @@ class RequestEnergy:
     footprint: Footprint | None = None
     route: str = ""
     model: str = ""
+    finish_reason: str = "completed"
 
     @property
     def j_per_output_token(self) -> float | None:

@@ -17,7 +17,21 @@ settled, per GPU, the requests' energies plus idle equal the GPU's measured ener
 
 A request still in flight holds the horizon at its begin (its token rates, which the
 ``tokens`` policy needs, are known only at its end), so results come at most one request
-duration late, and memory holds the requests and readings of that stretch only.
+duration late, and memory holds the requests and readings of that stretch only. A request
+never ended holds it no longer than ``max_age_s``: past that age it is settled as
+``unfinished`` (its energy up to then), and an end that comes later is dropped and counted.
+
+Every result has a ``finish_reason``: ``completed`` (:meth:`RequestMeter.end`),
+``cancelled`` or ``error`` (:meth:`RequestMeter.abort`), ``unfinished`` (past ``max_age_s``,
+or the oldest of more than ``max_open`` requests in flight). What the app gets wrong (an
+unknown id, an end twice, token counts that are not non-negative integers, GPUs that are not
+indices) never raises on the serving thread: it is counted in ``totals.bad_input`` by kind
+and logged once per kind, then at most once a minute.
+
+Settling is bounded per call (``settle_batch`` requests: the horizon stops before the next
+request's begin once that many have been taken), and :meth:`RequestMeter.consume` runs it in
+a worker thread, one slice after another, so the event loop never waits for it;
+:meth:`RequestMeter.settle_soon` asks for a settle in the meter's own thread.
 
 With a carbon configuration (``RequestMeter(carbon=CarbonConfig(...))``), each settled
 interval is also cut where the intensity may change (:meth:`Carbon.cuts
@@ -29,15 +43,18 @@ force there (a time-varying intensity integrated, not averaged over the request)
 from __future__ import annotations
 
 import collections
+import heapq
 import itertools
 import logging
 import math
+import operator
 import threading
 import time
 from collections.abc import AsyncIterable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
+from .._threads import DaemonExecutor, run_sync
 from ..aggregate.footprints import Carbon, CarbonSpec, sum_footprints
 from ..aggregate.history import DeviceHistory, add_sample
 from ..errors import ConfigError
@@ -55,7 +72,7 @@ from .attribution import (
 if TYPE_CHECKING:
     from ..carbon import Footprint
 
-__all__ = ["MeterTotals", "RequestMeter"]
+__all__ = ["BAD_INPUT_KINDS", "FINISH_REASONS", "MeterTotals", "RequestMeter"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +80,42 @@ _BEGIN, _PHASE, _END = 0, 1, 2
 
 #: Readings kept before the horizon (ns): context for the counter's update grid.
 _CONTEXT_NS = 10_000_000_000
+
+#: How a request finished: ended by the server, aborted (:meth:`RequestMeter.abort`: the
+#: client went away, or the server failed), or settled past ``max_age_s`` without an end.
+FINISH_REASONS: Final = ("completed", "cancelled", "error", "unfinished")
+
+#: What the app can get wrong, counted in ``MeterTotals.bad_input`` (a fixed set: bounded
+#: metric labels). ``unknown_id``: a phase, end or abort of a request never begun (or
+#: forgotten); ``began_twice``: a begin of a request in flight or not yet settled;
+#: ``ended_twice``: a second end or abort; ``ended_after_max_age``: an end of a request
+#: already settled as unfinished; ``tokens``: a token count not a non-negative integer
+#: (counted as 0); ``gpus``: GPUs not a non-empty sequence of indices, or one the meter does
+#: not account for (the meter's GPUs used instead); ``phase``: a phase other than decode;
+#: ``reason``: an abort reason other than cancelled or error (taken as error);
+#: ``too_many_open``: more than ``max_open`` requests in flight (the oldest settled as
+#: unfinished); ``overflow``: an edge or reading dropped because more than ``max_pending``
+#: were waiting for a settle.
+BAD_INPUT_KINDS: Final = (
+    "unknown_id",
+    "began_twice",
+    "ended_twice",
+    "ended_after_max_age",
+    "tokens",
+    "gpus",
+    "phase",
+    "reason",
+    "too_many_open",
+    "overflow",
+)
+#: The kinds whose edge is dropped whole (``MeterTotals.dropped_edges``).
+_DROPPING: Final = frozenset(
+    {"unknown_id", "began_twice", "ended_twice", "ended_after_max_age", "phase", "overflow"}
+)
+#: Ids of settled or expired requests remembered, to tell ``ended_twice`` from ``unknown_id``.
+_RECENT_IDS = 10_000
+#: Seconds between two log lines of one kind of bad input (the first is logged at once).
+_LOG_EVERY_S = 60.0
 
 
 @dataclass
@@ -75,6 +128,26 @@ class MeterTotals:
     requests: int = 0
     #: Edges that could not be used (an end without a begin, a second begin, ...).
     dropped_edges: int = 0
+    #: Bad input from the app, by kind (:data:`BAD_INPUT_KINDS`), never an exception.
+    bad_input: dict[str, int] = field(default_factory=dict)
+    #: Settled requests by finish reason (:data:`FINISH_REASONS`).
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MeterState:
+    """The meter's backlog, as of its last settle (:attr:`RequestMeter.state`)."""
+
+    #: Requests begun and not ended.
+    in_flight: int = 0
+    #: Requests ended (or aborted, or expired) and not settled yet.
+    unsettled: int = 0
+    #: When the oldest request in flight began (wall-clock ns; ``None``: none in flight).
+    oldest_begin_ns: int | None = None
+    #: Up to when energy is settled (``None``: nothing yet).
+    settled_ns: int | None = None
+    #: Edges and readings waiting for the next settle.
+    pending: int = 0
 
 
 class _Open:
@@ -93,7 +166,8 @@ class RequestMeter:
         policy: How a moment's energy is split among the requests in flight: ``"equal"`` or
             ``"tokens"`` (:mod:`.attribution`).
         gpus: The GPUs to account for (default: those the requests name). A GPU listed here
-            reports its idle energy even when no request ran on it.
+            reports its idle energy even when no request ran on it; with a list, a request
+            naming another GPU is counted as bad input and runs on these.
         clock: Wall-clock ns for the edges (the clock the runtime stamps its readings with).
         keep: How many settled results :meth:`results` keeps for the caller (oldest dropped).
         lag_s: How far behind the latest reading the horizon stays, so the energy counter has
@@ -101,9 +175,18 @@ class RequestMeter:
         carbon: A :class:`~zeus_async.carbon.CarbonConfig` (opened once, here), an intensity
             source or ``None``: with one, every settled request has a ``footprint``
             (``co2e_g``, ``cost``), see the module docstring.
+        max_age_s: A request in flight longer than this is settled as ``unfinished``, with
+            the energy up to then (it holds the horizon no longer). Set it to the server's
+            request timeout or above.
+        max_open: Requests in flight at most; beyond, the oldest is settled as
+            ``unfinished`` (bounds memory whatever clients do).
+        settle_batch: Requests settled per :meth:`settle` call at most (bounded work).
+        max_pending: Edges, and readings, waiting for a settle at most; beyond, they are
+            dropped and counted (``overflow``): only when nothing settles at all.
 
     Raises:
-        ConfigError: An unknown policy, or what the carbon configuration refuses.
+        ConfigError: An unknown policy, a limit that is not positive, or what the carbon
+            configuration refuses.
     """
 
     def __init__(
@@ -115,9 +198,15 @@ class RequestMeter:
         keep: int = 100_000,
         lag_s: float = 0.25,
         carbon: CarbonSpec = None,
+        max_age_s: float = 600.0,
+        max_open: int = 100_000,
+        settle_batch: int = 10_000,
+        max_pending: int = 1_000_000,
     ) -> None:
         if policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
+        if not (max_age_s > 0 and max_open > 0 and settle_batch > 0 and max_pending > 0):
+            raise ConfigError("max_age_s, max_open, settle_batch and max_pending must be > 0")
         self.policy = policy
         #: The opened carbon configuration (``None``: no carbon figures).
         self.carbon: Carbon | None = Carbon.of(carbon)
@@ -125,33 +214,76 @@ class RequestMeter:
         self._partial_fp: dict[str, list[Footprint]] = {}
         self._clock = clock
         self._lag_ns = round(lag_s * 1e9)
+        self._max_age_ns = round(max_age_s * 1e9)
+        self._max_open = max_open
+        self._batch = settle_batch
+        self._max_pending = max_pending
         self._edges: collections.deque[tuple[int, str, int, Any]] = collections.deque()
+        # GPU tuples already checked (bounded): a request's usual (0,) is not checked again.
+        self._gpus_seen: dict[tuple[Any, ...], tuple[int, ...]] = {}
+        self._readings: collections.deque[GpuSample] = collections.deque()
         self._gpus = set(gpus or ())
+        self._fixed_gpus = gpus is not None and len(self._gpus) > 0
+        #: GPUs named by requests -> when first named (a GPU without readings is waited for
+        #: no longer than ``max_age_s``).
+        self._named: dict[int, int] = {}
         self._open: dict[str, _Open] = {}
-        self._done: list[RequestSpan] = []
+        #: (begin_ns, id) of the requests in flight, oldest first (stale entries skipped).
+        self._open_heap: list[tuple[int, str]] = []
+        #: Ended requests not settled yet: (begin_ns, sequence, span), earliest begin first.
+        self._done: list[tuple[int, int, RequestSpan]] = []
+        self._seq = itertools.count()
         #: Requests attributed in part (they ended after a horizon they began before).
         self._partial: dict[str, RequestEnergy] = {}
-        #: Each ended request's own edges and token counts, until it is settled.
-        self._edges_of: dict[str, tuple[int, int, int | None, int, int, str, str]] = {}
+        #: Each ended request's own edges, token counts and finish reason, until settled.
+        self._edges_of: dict[str, tuple[int, int, int | None, int, int, str, str, str]] = {}
+        #: Ids settled (True) or expired (False) lately, to name a late edge's fault.
+        self._recent: collections.OrderedDict[str, bool] = collections.OrderedDict()
         self._histories: dict[int, DeviceHistory] = {}
         self._settled_ns: int | None = None
-        self._lock = threading.Lock()  # settle() from one thread at a time
+        self._lock = threading.RLock()  # settle() from one thread at a time
         self.totals = MeterTotals()
+        #: The backlog as of the last settle (read by the gauges from any thread).
+        self.state = MeterState()
+        self._logged: dict[str, tuple[float, int]] = {}  # kind -> (last logged, count then)
         self._keep = keep
         self._results: collections.OrderedDict[str, RequestEnergy] = collections.OrderedDict()
         self._subscribers: list[Callable[[Attribution], None]] = []
+        self._executor: DaemonExecutor | None = None
+        self._soon = False  # a settle_soon() is queued and not started
+        self._lock_soon = threading.Lock()
 
     # -- the serving thread -----------------------------------------------------------------
+    # Never raises: what is wrong with the arguments is found and counted at the next settle.
+
+    def _push(self, edge: tuple[int, str, int, Any]) -> None:
+        edges = self._edges
+        if len(edges) >= self._max_pending:
+            self._bad("overflow", "", "edges waiting for a settle")
+            return
+        edges.append(edge)
+
+    def _bound_edges(self) -> None:
+        """Drop the newest edges past ``max_pending`` (counted as overflow): the bound on
+        memory, kept where readings arrive (every sampling period) and at each settle rather
+        than on the serving thread's every call."""
+        edges = self._edges
+        excess = len(edges) - self._max_pending
+        if excess > 0:
+            for _ in range(excess):
+                edges.pop()
+            self._bad("overflow", "", "edges waiting for a settle past the bound", excess)
 
     def begin(self, request_id: str, gpus: Sequence[int] = (0,)) -> None:
         """A request starts (its prefill, when phases are marked)."""
-        self._edges.append((_BEGIN, request_id, self._clock(), tuple(gpus)))
+        # A bare append: this is the serving thread's whole cost (the bound on what waits is
+        # kept where readings come in and at each settle: _bound_edges).
+        self._edges.append((_BEGIN, request_id, self._clock(), gpus))
 
     def phase(self, request_id: str, name: str = "decode") -> None:
-        """The request moves to ``decode`` (its first output token is out)."""
-        if name != "decode":
-            raise ConfigError(f"the phases are prefill (from begin) and decode, not {name!r}")
-        self._edges.append((_PHASE, request_id, self._clock(), None))
+        """The request moves to ``decode`` (its first output token is out). Another phase
+        name is counted as bad input (``phase``) and ignored."""
+        self._edges.append((_PHASE, request_id, self._clock(), name))
 
     def end(
         self,
@@ -164,200 +296,507 @@ class RequestMeter:
     ) -> None:
         """The request is done, with its token counts, and optionally the route (a template
         such as ``/v1/chat/completions``, never a raw path) and model that served it, which
-        label its figures (:class:`~.metrics.RequestMetrics` keeps their number bounded)."""
-        self._edges.append((_END, request_id, self._clock(), (tokens_in, tokens_out, route, model)))
+        label its figures (:class:`~.metrics.RequestMetrics` keeps their number bounded).
+        Its ``finish_reason`` is ``completed``."""
+        self._edges.append(
+            (_END, request_id, self._clock(), (tokens_in, tokens_out, route, model, ""))
+        )
+
+    def abort(
+        self,
+        request_id: str,
+        reason: str = "cancelled",
+        *,
+        tokens_in: int = 0,
+        tokens_out: int = 0,
+        route: str = "",
+        model: str = "",
+    ) -> None:
+        """The request stops unfinished: ``reason`` is ``"cancelled"`` (the client went away)
+        or ``"error"`` (the server failed); the tokens it got through, if known. It is
+        attributed like an ended request, with that ``finish_reason``."""
+        edge = (tokens_in, tokens_out, route, model, reason or "?")
+        self._push((_END, request_id, self._clock(), edge))
 
     # -- the data side ----------------------------------------------------------------------
 
     def add(self, event: Event) -> None:
-        """Take a reading (``GpuSample``; other events are ignored)."""
+        """Take a reading (``GpuSample``; other events are ignored). From any thread: it is
+        queued, and taken into the meter's history by the next settle."""
         if type(event) is not GpuSample:
             return
-        history = self._histories.get(event.gpu)
-        if history is None:
-            history = self._histories[event.gpu] = DeviceHistory(f"gpu:{event.gpu}")
-        add_sample(history, event)
+        if len(self._edges) > self._max_pending:
+            self._bound_edges()
+        readings = self._readings
+        if len(readings) >= self._max_pending:
+            self._bad("overflow", "", "readings waiting for a settle")
+            return
+        readings.append(event)
 
     def add_all(self, events: Iterable[Event]) -> None:
         for event in events:
             self.add(event)
 
     async def consume(self, stream: AsyncIterable[Event], *, every_s: float = 0.5) -> None:
-        """A runtime consumer: take every reading, settle about every ``every_s``."""
+        """A runtime consumer: take every reading, settle about every ``every_s``, in a
+        worker thread (one bounded slice after another until caught up), so the event loop
+        goes on; subscribers are called back on the loop."""
+        import anyio
+
+        busy = False
+
+        async def catch_up() -> None:
+            nonlocal busy
+            try:
+                more = True
+                while more:
+                    out, more = await run_sync(self._settle_slice, None)
+                    self._notify(out)
+            except Exception:
+                logger.exception("settling requests failed")
+            finally:
+                busy = False
+
         next_settle = time.monotonic() + every_s
-        async for event in stream:
-            self.add(event)
-            now = time.monotonic()
-            if now >= next_settle:
-                next_settle = now + every_s
-                self.settle()
-        self.settle()
+        async with anyio.create_task_group() as tg:
+            async for event in stream:
+                self.add(event)
+                now = time.monotonic()
+                if now >= next_settle and not busy:
+                    next_settle = now + every_s
+                    busy = True
+                    tg.start_soon(catch_up)
+        await catch_up()
+
+    def settle_soon(self) -> None:
+        """Ask for a settle in the meter's own thread, and return at once (subscribers are
+        then called back in that thread). Does nothing while one is already queued."""
+        with self._lock_soon:
+            if self._soon:
+                return
+            self._soon = True
+            if self._executor is None:
+                self._executor = DaemonExecutor("zeus-request-settle")
+        try:
+            self._executor.submit(self._settle_queued)
+        except RuntimeError:  # interpreter exit: no more settles
+            self._soon = False
+
+    def _settle_queued(self) -> None:
+        self._soon = False
+        try:
+            self.settle()
+        except Exception:
+            logger.exception("settling requests failed")
+
+    # -- bad input --------------------------------------------------------------------------
+
+    def _bad(self, kind: str, rid: str, detail: str, count: int = 1) -> None:
+        """Count (and log, rate-limited) ``count`` bad inputs of ``kind``."""
+        totals = self.totals
+        bad = totals.bad_input
+        n = bad[kind] = bad.get(kind, 0) + count
+        if kind in _DROPPING:
+            totals.dropped_edges += count
+        last = self._logged.get(kind)
+        now = time.monotonic()
+        if last is None:
+            self._logged[kind] = (now, n)
+            logger.warning("request meter: bad input (%s) for request %r: %s; counted in "
+                           "totals.bad_input, logged at most once a minute", kind, rid,
+                           detail)  # fmt: skip
+        elif now - last[0] >= _LOG_EVERY_S:
+            self._logged[kind] = (now, n)
+            logger.warning("request meter: %d more bad inputs (%s) in %.0f s, the last for "
+                           "request %r: %s", n - last[1], kind, now - last[0], rid,
+                           detail)  # fmt: skip
+
+    def _count(self, rid: str, value: Any) -> int:
+        """A token count as given, or 0 (counted as bad input) when it is not one."""
+        if type(value) is int and value >= 0:
+            return value
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            n = operator.index(value)
+        except Exception:
+            n = -1
+        if n >= 0:
+            return n
+        self._bad("tokens", rid, f"token count {_show(value)} is not a non-negative integer")
+        return 0
+
+    def _gpus_of(self, rid: str, gpus: Any) -> tuple[int, ...]:
+        known = self._gpus_seen.get(gpus) if type(gpus) is tuple else None
+        if known is not None:  # (the same few tuples come with every request)
+            return known
+        try:
+            got = tuple(operator.index(g) for g in gpus)
+            ok = bool(got) and all(g >= 0 for g in got)
+            if ok and self._fixed_gpus:
+                ok = all(g in self._gpus for g in got)
+        except Exception:
+            got, ok = (), False
+        if ok:
+            if type(gpus) is tuple and len(self._gpus_seen) < 256:
+                self._gpus_seen[gpus] = got
+            return got
+        self._bad("gpus", rid, f"gpus {_show(gpus)}: not indices of the meter's GPUs")
+        return tuple(sorted(self._gpus)) or (0,)
+
+    def _label(self, value: Any) -> str:
+        if type(value) is str:
+            return value
+        try:
+            return "" if value is None else str(value)
+        except Exception:
+            return ""
 
     # -- attribution ------------------------------------------------------------------------
 
-    def _drain_edges(self) -> None:
+    def _drain_readings(self) -> None:
+        readings = self._readings
+        histories = self._histories
+        while readings:
+            event = readings.popleft()
+            history = histories.get(event.gpu)
+            if history is None:
+                history = histories[event.gpu] = DeviceHistory(f"gpu:{event.gpu}")
+            add_sample(history, event)
+
+    def _drain_edges(self, budget: int | None = None) -> int | None:
+        """Take the queued edges (at most ``budget``); returns the time of the first edge
+        left queued (``None``: none left), which the horizon must not pass."""
         edges = self._edges
+        taken = 0
         while edges:
+            if budget is not None and taken >= budget:
+                return int(edges[0][2])
+            taken += 1
             kind, rid, t, payload = edges.popleft()
             if kind == _BEGIN:
-                if rid in self._open:
-                    self.totals.dropped_edges += 1
-                    logger.warning("request %r began twice; the second begin is ignored", rid)
+                if rid in self._open or rid in self._edges_of:
+                    self._bad("began_twice", rid, "a begin of a request not yet settled")
                     continue
-                self._open[rid] = _Open(payload, t)
+                gpus = payload if type(payload) is tuple and payload else None
+                gpus = self._gpus_of(rid, payload if gpus is None else gpus)
+                for g in gpus:
+                    if g not in self._named:
+                        self._named[g] = t
+                self._recent.pop(rid, None)  # an id used again after it was settled
+                self._open[rid] = _Open(gpus, t)
+                heapq.heappush(self._open_heap, (t, rid))
+                if len(self._open) > self._max_open:
+                    self._bad("too_many_open", rid, f"more than {self._max_open} in flight")
+                    oldest = self._oldest_open()
+                    if oldest is not None:
+                        self._close(oldest, self._open[oldest], t, None, "unfinished")
                 continue
             req = self._open.get(rid)
             if req is None:
-                self.totals.dropped_edges += 1
-                logger.warning("request %r: %s without a begin (ignored)", rid,
-                               "phase" if kind == _PHASE else "end")  # fmt: skip
+                what = "phase" if kind == _PHASE else "end"
+                recent = self._recent.get(rid)
+                if kind == _PHASE:
+                    bad = "unknown_id" if recent is None else "ended_twice"
+                elif rid in self._edges_of or recent is True:
+                    bad = "ended_twice"
+                elif recent is False:
+                    bad = "ended_after_max_age"
+                else:
+                    bad = "unknown_id"
+                self._bad(bad, rid, f"{what} of a request not in flight (ignored)")
                 continue
             if kind == _PHASE:
-                req.decode_ns = t
+                if payload != "decode":
+                    self._bad("phase", rid, f"phase {_show(payload)}: the phases are prefill "
+                              "(from begin) and decode")  # fmt: skip
+                    continue
+                req.decode_ns = max(t, req.begin_ns)
                 continue
-            del self._open[rid]
-            tin, tout, route, model = payload
-            self._edges_of[rid] = (req.begin_ns, t, req.decode_ns, tin, tout, route, model)
-            self._done.append(RequestSpan(rid, req.gpus, req.begin_ns, t, req.decode_ns, tin, tout))
+            tin, tout, route, model, reason = payload
+            if reason == "":
+                reason = "completed"
+            elif reason not in ("cancelled", "error"):
+                self._bad("reason", rid, f"abort reason {_show(reason)}: cancelled or error")
+                reason = "error"
+            # (the usual case inline: ints and strs, as a server passes them)
+            if type(tin) is not int or tin < 0:
+                tin = self._count(rid, tin)
+            if type(tout) is not int or tout < 0:
+                tout = self._count(rid, tout)
+            if type(route) is not str:
+                route = self._label(route)
+            if type(model) is not str:
+                model = self._label(model)
+            self._close(rid, req, t, (tin, tout, route, model), reason)
+        return None
+
+    def _close(
+        self,
+        rid: str,
+        req: _Open,
+        t: int,
+        info: tuple[int, int, str, str] | None,
+        reason: str,
+    ) -> None:
+        """Request ``rid`` (in flight) ends at ``t``: on to be settled."""
+        del self._open[rid]
+        end = max(t, req.begin_ns)
+        decode = None if req.decode_ns is None else min(req.decode_ns, end)
+        tin, tout, route, model = info or (0, 0, "", "")
+        self._edges_of[rid] = (req.begin_ns, end, decode, tin, tout, route, model, reason)
+        span = RequestSpan(rid, req.gpus, req.begin_ns, end, decode, tin, tout)
+        heapq.heappush(self._done, (req.begin_ns, next(self._seq), span))
+        if reason == "unfinished":
+            self._remember(rid, False)
+
+    def _remember(self, rid: str, settled: bool) -> None:
+        recent = self._recent
+        recent[rid] = settled
+        recent.move_to_end(rid)
+        while len(recent) > _RECENT_IDS:
+            recent.popitem(last=False)
+
+    def _oldest_open(self) -> str | None:
+        """The request in flight that began first (``None``: none)."""
+        heap, open_ = self._open_heap, self._open
+        while heap:
+            t, rid = heap[0]
+            req = open_.get(rid)
+            if req is not None and req.begin_ns == t:
+                return rid
+            heapq.heappop(heap)
+        return None
+
+    def _expire(self, now: int) -> None:
+        """Settle as unfinished the requests in flight for longer than ``max_age_s``."""
+        limit = now - self._max_age_ns
+        while True:
+            rid = self._oldest_open()
+            if rid is None:
+                break
+            req = self._open[rid]
+            if req.begin_ns > limit:
+                break
+            self._close(rid, req, req.begin_ns + self._max_age_ns, None, "unfinished")
+        heap = self._open_heap
+        if len(heap) > 2 * len(self._open) + 1024:  # stale entries: rebuild
+            self._open_heap = [(r.begin_ns, rid) for rid, r in self._open.items()]
+            heapq.heapify(self._open_heap)
 
     def horizon_ns(self) -> int | None:
         """Up to when energy can be attributed now (``None``: nothing yet): no later than
         the first request still in flight began (its token rates are not known yet), nor than
         every GPU's readings cover, less ``lag_s``."""
-        gpus = self._gpus | {g for s in self._done for g in s.gpus}
+        with self._lock:
+            self._drain_readings()
+            return self._horizon(self._clock())
+
+    def _horizon(self, now: int) -> int | None:
+        gpus = self._gpus | self._named.keys()
         if not gpus:
             return None
         ends = []
         for g in gpus:
             h = self._histories.get(g)
             if h is None or h.last_t_ns is None:
-                return None
+                if g in self._gpus or now - self._named[g] < self._max_age_ns:
+                    return None
+                continue  # named by a request, and never read since: not waited for
             ends.append(h.last_t_ns)
+        if not ends:
+            return None
         horizon = min(ends) - self._lag_ns
-        if self._open:
-            horizon = min(horizon, *(r.begin_ns for r in self._open.values()))
+        oldest = self._oldest_open()
+        if oldest is not None:
+            horizon = min(horizon, self._open[oldest].begin_ns)
         return horizon
 
-    def settle(self) -> list[RequestEnergy]:
-        """Attribute everything that can be now; returns the requests settled this time (also
-        kept for :meth:`results`).
+    def settle(self, max_requests: int | None = None) -> list[RequestEnergy]:
+        """Attribute what can be now, up to ``max_requests`` requests (default: the meter's
+        ``settle_batch``); returns the requests settled this time (also kept for
+        :meth:`results`). Subscribers are called back in the calling thread.
 
         A request that ended after the horizon but began before it is attributed in two
         pieces: up to the horizon now, the rest at a later settle, at the same token rates
         (its whole phases'); it is returned once, whole, when its last piece is settled."""
-        with self._lock:
-            self._drain_edges()
-            horizon = self.horizon_ns()
-            if horizon is None:
-                return []
-            start = self._settled_ns
-            if start is None:  # the first interval starts with the readings
-                firsts = [h.first_t_ns for h in self._histories.values() if h.first_t_ns]
-                start = max(firsts) if firsts else horizon
-            if horizon <= start:
-                return []
-            now: list[RequestSpan] = []
-            later: list[RequestSpan] = []
-            for span in self._done:
-                # A request that began before the readings did is counted from their start.
-                span = _clipped(span, start)
-                if span.end_ns <= horizon:
-                    now.append(span)
-                elif span.begin_ns < horizon:
-                    head, tail = _split(span, horizon)
-                    now.append(head)
-                    later.append(tail)
-                else:
-                    later.append(span)
-            self._done = later
-            gpus = sorted(self._gpus | {g for s in now for g in s.gpus})
-            methods: dict[int, str] = {}
-            carbon = self.carbon
-            points = [start, *sorted(set(carbon.cuts(start, horizon) if carbon else ())), horizon]
+        out, _ = self._settle_slice(max_requests)
+        self._notify(out)
+        return [] if out is None else list(out.requests.values())
 
-            def cumulative(gpu: int, times: Sequence[int]) -> Sequence[float]:
-                h = self._histories.get(gpu)
-                got = None if h is None else h.cumulative(times)
-                if got is None:
-                    methods[gpu] = "unavailable"
-                    return [0.0] * len(times)
-                methods[gpu] = got[1]
-                return got[0]
+    def settle_all(self) -> list[RequestEnergy]:
+        """:meth:`settle` until nothing more can be settled now."""
+        settled: list[RequestEnergy] = []
+        more = True
+        while more:
+            out, more = self._settle_slice(None)
+            self._notify(out)
+            if out is not None:
+                settled += out.requests.values()
+        return settled
 
-            # One attribution per piece between the intensity's steps (one piece without
-            # carbon, or with a source that does not change in the interval).
-            outs: list[Attribution] = []
-            rest = now
-            footprints: dict[str, list[Footprint]] = {}
-            for a, b in itertools.pairwise(points):
-                inside, rest = _cut(rest, b) if b < horizon else (rest, [])
-                piece = attribute(
-                    inside,
-                    cumulative=cumulative,
-                    start_ns=a,
-                    end_ns=b,
-                    gpus=gpus,
-                    policy=self.policy,
-                    method=methods,
-                )
-                outs.append(piece)
-                if carbon is not None:
-                    # The intensity is one step over the piece: its requests' energy there
-                    # times that step, exactly (spread evenly over its stretch in the piece).
-                    for span in inside:
-                        r = piece.requests[span.request_id]
-                        footprints.setdefault(span.request_id, []).append(
-                            carbon.spread(r.energy_j, span.begin_ns, span.end_ns)
-                        )
-            out = _combine(outs, start, horizon, self.policy)
-            totals = self.totals
-            for gpu, g in out.gpus.items():
-                totals.energy_j[gpu] = totals.energy_j.get(gpu, 0.0) + g.energy_j
-                totals.requests_j[gpu] = totals.requests_j.get(gpu, 0.0) + g.requests_j
-                totals.idle_j[gpu] = totals.idle_j.get(gpu, 0.0) + g.idle_j
-            self._settled_ns = horizon
-            for h in self._histories.values():
-                # Readings well before the horizon: the counter's update grid is fitted to
-                # the brackets around an edge, so some context stays.
-                h.trim_before(horizon - _CONTEXT_NS)
-            pending = {s.request_id for s in later}
-            settled = []
-            for rid, part in out.requests.items():
-                whole = _merge(self._partial.pop(rid, None), part)
-                if carbon is not None:
-                    fps = self._partial_fp.pop(rid, []) + footprints.get(rid, [])
-                if rid in pending:
-                    self._partial[rid] = whole  # more of it at a later settle
-                    if carbon is not None:
-                        self._partial_fp[rid] = fps
-                    continue
-                whole = self._finish(whole)
-                if carbon is not None:
-                    whole.footprint = sum_footprints(fps)
-                settled.append(whole)
-            totals.requests += len(settled)
-            results = self._results
-            for r in settled:
-                results[r.request_id] = r
-            while len(results) > self._keep:
-                results.popitem(last=False)
-            final = Attribution(out.start_ns, out.end_ns, out.policy)
-            final.requests = {r.request_id: r for r in settled}
-            final.gpus = out.gpus
+    def _notify(self, final: Attribution | None) -> None:
+        if final is None:
+            return
         for callback in self._subscribers:
             try:
                 callback(final)
             except Exception:
                 logger.exception("a request-meter subscriber failed")
-        return settled
+
+    def _settle_slice(self, max_requests: int | None) -> tuple[Attribution | None, bool]:
+        """One bounded settle: the attribution (``None``: nothing settled) and whether more
+        could be settled now."""
+        budget = self._batch if max_requests is None else max(1, max_requests)
+        with self._lock:
+            try:
+                return self._settle_locked(budget)
+            finally:
+                self._snapshot()
+
+    def _snapshot(self) -> None:
+        oldest = self._oldest_open()
+        self.state = MeterState(
+            in_flight=len(self._open),
+            unsettled=len(self._edges_of),
+            oldest_begin_ns=None if oldest is None else self._open[oldest].begin_ns,
+            settled_ns=self._settled_ns,
+            pending=len(self._edges) + len(self._readings),
+        )
+
+    def _settle_locked(self, budget: int) -> tuple[Attribution | None, bool]:
+        self._bound_edges()
+        self._drain_readings()
+        cap = self._drain_edges(4 * budget)
+        now = self._clock()
+        self._expire(now)
+        horizon = self._horizon(now)
+        if horizon is None:
+            return None, False
+        more = cap is not None and cap < horizon
+        if more:
+            assert cap is not None
+            horizon = cap
+        start = self._settled_ns
+        if start is None:  # the first interval starts with the readings
+            firsts = [h.first_t_ns for h in self._histories.values() if h.first_t_ns]
+            start = max(firsts) if firsts else horizon
+        if horizon <= start:
+            return None, False
+        # The requests that began before the horizon, earliest first; past ``budget`` of
+        # them (beginning after ``start``: those in flight at ``start`` always come), the
+        # horizon stops at the next one's begin.
+        done = self._done
+        taken: list[RequestSpan] = []
+        counted = 0
+        while done and done[0][0] < horizon:
+            b = done[0][0]
+            if b > start:
+                if counted >= budget:
+                    horizon, more = b, True
+                    break
+                counted += 1
+            taken.append(heapq.heappop(done)[2])
+        now_spans: list[RequestSpan] = []
+        pending: set[str] = set()
+        for span in taken:
+            # A request that began before the readings did is counted from their start.
+            span = _clipped(span, start)
+            if span.end_ns <= horizon:
+                now_spans.append(span)
+            else:
+                head, tail = _split(span, horizon)
+                now_spans.append(head)
+                heapq.heappush(done, (tail.begin_ns, next(self._seq), tail))
+                pending.add(span.request_id)
+        gpus = sorted(self._gpus | {g for s in now_spans for g in s.gpus})
+        methods: dict[int, str] = {}
+        carbon = self.carbon
+        points = [start, *sorted(set(carbon.cuts(start, horizon) if carbon else ())), horizon]
+
+        def cumulative(gpu: int, times: Sequence[int]) -> Sequence[float]:
+            h = self._histories.get(gpu)
+            got = None if h is None else h.cumulative(times)
+            if got is None:
+                methods[gpu] = "unavailable"
+                return [0.0] * len(times)
+            methods[gpu] = got[1]
+            return got[0]
+
+        # One attribution per piece between the intensity's steps (one piece without
+        # carbon, or with a source that does not change in the interval).
+        outs: list[Attribution] = []
+        rest = now_spans
+        footprints: dict[str, list[Footprint]] = {}
+        for a, b in itertools.pairwise(points):
+            inside, rest = _cut(rest, b) if b < horizon else (rest, [])
+            piece = attribute(
+                inside,
+                cumulative=cumulative,
+                start_ns=a,
+                end_ns=b,
+                gpus=gpus,
+                policy=self.policy,
+                method=methods,
+            )
+            outs.append(piece)
+            if carbon is not None:
+                # The intensity is one step over the piece: its requests' energy there
+                # times that step, exactly (spread evenly over its stretch in the piece).
+                for span in inside:
+                    r = piece.requests[span.request_id]
+                    footprints.setdefault(span.request_id, []).append(
+                        carbon.spread(r.energy_j, span.begin_ns, span.end_ns)
+                    )
+        out = _combine(outs, start, horizon, self.policy)
+        totals = self.totals
+        for gpu, g in out.gpus.items():
+            totals.energy_j[gpu] = totals.energy_j.get(gpu, 0.0) + g.energy_j
+            totals.requests_j[gpu] = totals.requests_j.get(gpu, 0.0) + g.requests_j
+            totals.idle_j[gpu] = totals.idle_j.get(gpu, 0.0) + g.idle_j
+        self._settled_ns = horizon
+        for h in self._histories.values():
+            # Readings well before the horizon: the counter's update grid is fitted to
+            # the brackets around an edge, so some context stays.
+            h.trim_before(horizon - _CONTEXT_NS)
+        settled = []
+        for rid, part in out.requests.items():
+            whole = _merge(self._partial.pop(rid, None), part)
+            if carbon is not None:
+                fps = self._partial_fp.pop(rid, []) + footprints.get(rid, [])
+            if rid in pending:
+                self._partial[rid] = whole  # more of it at a later settle
+                if carbon is not None:
+                    self._partial_fp[rid] = fps
+                continue
+            whole = self._finish(whole)
+            if carbon is not None:
+                whole.footprint = sum_footprints(fps)
+            settled.append(whole)
+        totals.requests += len(settled)
+        finished = totals.finished
+        results = self._results
+        for r in settled:
+            results[r.request_id] = r
+            finished[r.finish_reason] = finished.get(r.finish_reason, 0) + 1
+        while len(results) > self._keep:
+            results.popitem(last=False)
+        final = Attribution(out.start_ns, out.end_ns, out.policy)
+        final.requests = {r.request_id: r for r in settled}
+        final.gpus = out.gpus
+        return final, more
 
     def _finish(self, r: RequestEnergy) -> RequestEnergy:
         """The request as reported: its own edges and token counts, not its pieces'."""
-        begin, end, decode, tokens_in, tokens_out, route, model = self._edges_of.pop(r.request_id)
+        rid = r.request_id
+        begin, end, decode, tokens_in, tokens_out, route, model, reason = self._edges_of.pop(rid)
         r.begin_ns, r.end_ns, r.decode_ns = begin, end, decode
         r.tokens_in, r.tokens_out = tokens_in, tokens_out
         r.route, r.model = route, model
         r.time_s = (end - begin) / 1e9
+        r.finish_reason = reason
+        if reason != "unfinished":
+            self._remember(rid, True)
         return r
 
     def results(self) -> list[RequestEnergy]:
@@ -396,6 +835,7 @@ class RequestMeter:
                         tokens_out=round(r.tokens_out),
                         policy=out.policy,
                         method=r.method,
+                        finish_reason=r.finish_reason,
                     )
                 )
             publish(
@@ -421,6 +861,15 @@ class RequestMeter:
     def in_flight(self) -> int:
         """Requests begun and not yet ended (as of the last :meth:`settle`)."""
         return len(self._open)
+
+
+def _show(value: Any) -> str:
+    """``repr(value)``, short, whatever it is."""
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _split(span: RequestSpan, at: int) -> tuple[RequestSpan, RequestSpan]:

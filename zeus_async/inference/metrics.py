@@ -18,7 +18,17 @@ Series (base units, as the rest of zeus_async's metrics):
   the settled requests' grams CO2e and cost. ``source`` is the configured source's name (one
   value). Routes and models are labels the server gives (:meth:`RequestMeter.end`); the first
   ``max_label_values`` distinct values of each are kept, any later one is counted as
-  ``"other"`` (said once in the log), so the series stay bounded.
+  ``"other"`` (said once in the log), so the series stay bounded;
+* ``zeus_request_finished_total{reason}`` (counter): settled requests by finish reason
+  (``completed``, ``cancelled``, ``error``, ``unfinished``);
+* the meter's backlog, read at each scrape (as of its last settle):
+  ``zeus_request_in_flight`` (requests begun, not ended), ``zeus_request_unsettled`` (ended,
+  waiting to be settled), ``zeus_request_oldest_age_seconds`` (age of the oldest request in
+  flight, 0 without one), ``zeus_request_settle_lag_seconds`` (how far behind the clock the
+  settled energy is: results come that late), ``zeus_request_pending_edges`` (edges and
+  readings queued for the next settle) and ``zeus_request_bad_input_total{kind}`` (counter:
+  the app's bad input by kind, a fixed set, ``RequestMeter``'s ``BAD_INPUT_KINDS``; dropped
+  edges are among them).
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .attribution import Attribution
-from .meter import RequestMeter
+from .meter import BAD_INPUT_KINDS, FINISH_REASONS, RequestMeter
 
 __all__ = ["ENERGY_BUCKETS", "MAX_LABEL_VALUES", "PER_TOKEN_BUCKETS", "RequestMetrics"]
 
@@ -99,6 +109,15 @@ class RequestMetrics:
             ["route", "model", "source", "currency"],
             registry=self.registry,
         )
+        self.finished = Counter(
+            "zeus_request_finished",
+            "Settled inference requests by finish reason",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in FINISH_REASONS:
+            self.finished.labels(reason)
+        self.registry.register(_BacklogCollector(meter))
         self.policy = meter.policy
         self.source = "" if meter.carbon is None else meter.carbon.name
         self._max_labels = max_label_values
@@ -127,7 +146,11 @@ class RequestMetrics:
         policy = attribution.policy
         energy = self.energy.labels(policy)
         per_token = self.per_token.labels(policy)
+        finished = {reason: self.finished.labels(reason) for reason in FINISH_REASONS}
         for r in attribution.requests.values():
+            counter = finished.get(r.finish_reason)
+            if counter is not None:
+                counter.inc()
             energy.observe(r.energy_j)
             if r.tokens_out:
                 per_token.observe(r.energy_j / r.tokens_out)
@@ -142,3 +165,68 @@ class RequestMetrics:
         for gpu, g in attribution.gpus.items():
             self.gpu_energy.labels(str(gpu), "requests").inc(max(g.requests_j, 0.0))
             self.gpu_energy.labels(str(gpu), "idle").inc(max(g.idle_j, 0.0))
+
+
+class _BacklogCollector:
+    """The meter's backlog gauges and bad-input counts, read at each scrape."""
+
+    def __init__(self, meter: RequestMeter) -> None:
+        self.meter = meter
+
+    def describe(self) -> list[Any]:
+        return list(self._families(None))
+
+    def collect(self) -> list[Any]:
+        return list(self._families(self.meter))
+
+    def _families(self, meter: RequestMeter | None) -> list[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        state = None if meter is None else meter.state
+        now = 0 if meter is None else meter._clock()
+
+        def gauge(name: str, doc: str, value: float) -> Any:
+            family = GaugeMetricFamily(name, doc)
+            if state is not None:
+                family.add_metric([], value)
+            return family
+
+        age = lag = 0.0
+        if state is not None:
+            if state.oldest_begin_ns is not None:
+                age = max(0.0, (now - state.oldest_begin_ns) / 1e9)
+            if state.settled_ns is not None:
+                lag = max(0.0, (now - state.settled_ns) / 1e9)
+        bad = CounterMetricFamily(
+            "zeus_request_bad_input",
+            "Bad input from the app to the request meter, by kind (never an exception)",
+            labels=["kind"],
+        )
+        if meter is not None:
+            counts = dict(meter.totals.bad_input)
+            for kind in BAD_INPUT_KINDS:
+                bad.add_metric([kind], counts.get(kind, 0))
+        return [
+            gauge(
+                "zeus_request_in_flight",
+                "Requests begun and not ended",
+                0 if state is None else state.in_flight,
+            ),
+            gauge(
+                "zeus_request_unsettled",
+                "Requests ended and not settled yet",
+                0 if state is None else state.unsettled,
+            ),
+            gauge("zeus_request_oldest_age_seconds", "Age of the oldest request in flight", age),
+            gauge(
+                "zeus_request_settle_lag_seconds",
+                "How far behind the clock the settled request energy is",
+                lag,
+            ),
+            gauge(
+                "zeus_request_pending_edges",
+                "Edges and readings queued for the next settle",
+                0 if state is None else state.pending,
+            ),
+            bad,
+        ]
