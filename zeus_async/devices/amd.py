@@ -55,15 +55,13 @@ from typing import Any, Final
 from ..errors import (
     ConfigError,
     DeviceLostError,
-    DeviceNotFoundError,
     DriverNotLoadedError,
-    NoPermissionError,
     NotSupportedError,
     TransientDeviceError,
     ZeusAsyncError,
 )
 from ..events import Capabilities, DeviceInfo, Event, GpuSample
-from .base import GPU_FIELDS, Device
+from .base import GPU_FIELDS, Device, ErrorCodes, typed_error
 
 __all__ = [
     "CHECK_S",
@@ -100,6 +98,7 @@ _LOST: Final = frozenset({54})
 _DRIVER: Final = frozenset({4, 5, 18, 32, 34, 45, 51, 52})
 _ARGUMENT: Final = frozenset({1, 17, 53})
 _NOT_FOUND: Final = frozenset({31})
+_CODES: Final = ErrorCodes(_NOT_SUPPORTED, _PERMISSION, _LOST, _DRIVER, _ARGUMENT, _NOT_FOUND)
 
 PRIVILEGE_HINT: Final = (
     "changing AMD GPU power caps needs root (or write access to the hwmon power1_cap files): "
@@ -118,21 +117,15 @@ def map_amdsmi_error(exc: BaseException, device_key: str = "", action: str = "")
         text = str(exc).replace("\n", " ").replace("\t", "")
     except Exception:
         text = type(exc).__name__
-    where = " ".join(p for p in (action, f"on {device_key}" if device_key else "") if p)
-    message = f"{where + ': ' if where else ''}amdsmi error {code} ({text})"
-    if code in _NOT_SUPPORTED:
-        return NotSupportedError(message, device=device_key, code=code)
-    if code in _PERMISSION:
-        return NoPermissionError(f"{message}; {PRIVILEGE_HINT}", device=device_key, code=code)
-    if code in _LOST:
-        return DeviceLostError(message, device=device_key, code=code)
-    if code in _DRIVER:
-        return DriverNotLoadedError(message, device=device_key, code=code)
-    if code in _ARGUMENT:
-        return ConfigError(message)
-    if code in _NOT_FOUND:
-        return DeviceNotFoundError(message, device=device_key, code=code)
-    return TransientDeviceError(message, device=device_key, code=code)
+    return typed_error(
+        "amdsmi",
+        code,
+        text,
+        _CODES,
+        device_key=device_key,
+        action=action,
+        privilege_hint=PRIVILEGE_HINT,
+    )
 
 
 def _import_amdsmi() -> ModuleType:

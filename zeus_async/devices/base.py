@@ -10,9 +10,27 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
+from ..errors import (
+    ConfigError,
+    DeviceLostError,
+    DeviceNotFoundError,
+    DriverNotLoadedError,
+    NoPermissionError,
+    NotSupportedError,
+    TransientDeviceError,
+    ZeusAsyncError,
+)
 from ..events import DeviceInfo, Event
 
-__all__ = ["GPU_FIELDS", "Device", "GpuControl", "GpuProcessReader", "GpuProcesses"]
+__all__ = [
+    "GPU_FIELDS",
+    "Device",
+    "ErrorCodes",
+    "GpuControl",
+    "GpuProcessReader",
+    "GpuProcesses",
+    "typed_error",
+]
 
 #: Every GPU field a GPU device may read; names match :class:`~zeus_async.events.GpuSample`.
 GPU_FIELDS: tuple[str, ...] = (
@@ -114,3 +132,46 @@ class GpuProcessReader(Protocol):
         no per-process accounting).
         """
         ...
+
+
+class ErrorCodes(NamedTuple):
+    """A vendor library's return codes, by the zeus_async error each one means."""
+
+    not_supported: frozenset[int]
+    permission: frozenset[int]
+    lost: frozenset[int]
+    driver: frozenset[int]
+    argument: frozenset[int]
+    not_found: frozenset[int]
+
+
+def typed_error(
+    library: str,
+    code: int | None,
+    text: str,
+    codes: ErrorCodes,
+    *,
+    device_key: str = "",
+    action: str = "",
+    privilege_hint: str = "",
+) -> ZeusAsyncError:
+    """The zeus_async error for return ``code`` of ``library`` (``"NVML"``, ``"amdsmi"``):
+    ``NotSupportedError``, ``NoPermissionError`` (with ``privilege_hint``), ``DeviceLostError``,
+    ``DriverNotLoadedError``, ``ConfigError``, ``DeviceNotFoundError``, else
+    ``TransientDeviceError``; the message names the action and the device."""
+    where = " ".join(p for p in (action, f"on {device_key}" if device_key else "") if p)
+    message = f"{where + ': ' if where else ''}{library} error {code} ({text})"
+    if code in codes.not_supported:
+        return NotSupportedError(message, device=device_key, code=code)
+    if code in codes.permission:
+        hint = f"; {privilege_hint}" if privilege_hint else ""
+        return NoPermissionError(f"{message}{hint}", device=device_key, code=code)
+    if code in codes.lost:
+        return DeviceLostError(message, device=device_key, code=code)
+    if code in codes.driver:
+        return DriverNotLoadedError(message, device=device_key, code=code)
+    if code in codes.argument:
+        return ConfigError(message)
+    if code in codes.not_found:
+        return DeviceNotFoundError(message, device=device_key, code=code)
+    return TransientDeviceError(message, device=device_key, code=code)

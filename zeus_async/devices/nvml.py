@@ -53,16 +53,14 @@ from typing import Any, Final
 from ..errors import (
     ConfigError,
     DeviceError,
-    DeviceLostError,
     DeviceNotFoundError,
     DriverNotLoadedError,
-    NoPermissionError,
     NotSupportedError,
     TransientDeviceError,
     ZeusAsyncError,
 )
 from ..events import Capabilities, DeviceInfo, Event, GpuSample
-from .base import GPU_FIELDS, GpuProcesses
+from .base import GPU_FIELDS, ErrorCodes, GpuProcesses, typed_error
 from .nvml_visible import parse_cuda_visible_devices
 
 __all__ = [
@@ -100,6 +98,14 @@ _LOST_CODES: Final = frozenset({8, 11, 15, 16})  # INSUFFICIENT_POWER, IRQ, GPU_
 _DRIVER_CODES: Final = frozenset({1, 9, 12, 18})  # UNINITIALIZED, NOT_LOADED, NO_LIBRARY, RM
 _ARGUMENT_CODES: Final = frozenset({2, 24})  # INVALID_ARGUMENT, FREQ_NOT_SUPPORTED
 _NOT_FOUND_CODES: Final = frozenset({6, 28})  # NOT_FOUND, GPU_NOT_FOUND
+_CODES: Final = ErrorCodes(
+    _NOT_SUPPORTED_CODES,
+    _PERMISSION_CODES,
+    _LOST_CODES,
+    _DRIVER_CODES,
+    _ARGUMENT_CODES,
+    _NOT_FOUND_CODES,
+)
 _NVML_NOT_FOUND: Final = 6  # also "no sample newer than the timestamp"
 _FATAL_CODES: Final = _LOST_CODES | _DRIVER_CODES
 
@@ -144,21 +150,15 @@ def map_nvml_error(exc: BaseException, device_key: str = "", action: str = "") -
         text = str(exc)
     except Exception:  # a broken __str__ must not hide the original error
         text = type(exc).__name__
-    where = " ".join(p for p in (action, f"on {device_key}" if device_key else "") if p)
-    message = f"{where + ': ' if where else ''}NVML error {code} ({text})"
-    if code in _NOT_SUPPORTED_CODES:
-        return NotSupportedError(message, device=device_key, code=code)
-    if code in _PERMISSION_CODES:
-        return NoPermissionError(f"{message}; {PRIVILEGE_HINT}", device=device_key, code=code)
-    if code in _LOST_CODES:
-        return DeviceLostError(message, device=device_key, code=code)
-    if code in _DRIVER_CODES:
-        return DriverNotLoadedError(message, device=device_key, code=code)
-    if code in _ARGUMENT_CODES:
-        return ConfigError(message)
-    if code in _NOT_FOUND_CODES:
-        return DeviceNotFoundError(message, device=device_key, code=code)
-    return TransientDeviceError(message, device=device_key, code=code)
+    return typed_error(
+        "NVML",
+        code,
+        text,
+        _CODES,
+        device_key=device_key,
+        action=action,
+        privilege_hint=PRIVILEGE_HINT,
+    )
 
 
 def _import_pynvml() -> ModuleType:
