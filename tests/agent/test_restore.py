@@ -20,7 +20,14 @@ import pytest
 
 from zeus_async.devices.sim_config import SimConfig
 from zeus_async.testing import read_sim_node_state
-from zeus_async.testing.procs import sim_env, start_restore_job
+from zeus_async.testing.procs import (
+    finish,
+    pid_gone,
+    sim_env,
+    sim_node_restored,
+    start_restore_job,
+    wait_sim_node_restored,
+)
 
 CONFIG = SimConfig(num_gpus=2, seed=7)
 
@@ -46,37 +53,7 @@ def _kill_job_and_agent(proc: subprocess.Popen[str], agent_pid: int) -> None:
     os.kill(agent_pid, signal.SIGKILL)
     proc.kill()
     proc.wait(timeout=20)
-    assert _gone(agent_pid)
-
-
-def _restored() -> bool:
-    return all(g.is_default(CONFIG) for g in read_sim_node_state(CONFIG))
-
-
-def _wait_restored(timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if _restored():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"not restored: {read_sim_node_state(CONFIG)}")
-
-
-def _gone(pid: int, timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def _finish(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.kill()
-    proc.communicate(timeout=20)
+    assert pid_gone(agent_pid)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
@@ -85,10 +62,10 @@ def test_signal_to_the_process_group_restores(sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)  # what a terminal's Ctrl-C, Slurm or docker stop do
         proc.wait(timeout=20)
-        _wait_restored()
-        assert _gone(agent_pid)
+        wait_sim_node_restored(CONFIG)
+        assert pid_gone(agent_pid)
     finally:
-        _finish(proc)
+        finish(proc)
 
 
 def test_sigkill_of_the_training_process_restores() -> None:
@@ -96,17 +73,17 @@ def test_sigkill_of_the_training_process_restores() -> None:
     try:
         proc.kill()  # the OOM killer
         proc.wait(timeout=20)
-        _wait_restored()
-        assert _gone(agent_pid)
+        wait_sim_node_restored(CONFIG)
+        assert pid_gone(agent_pid)
     finally:
-        _finish(proc)
+        finish(proc)
 
 
 def test_sigkill_of_everything_is_restored_at_the_next_agent_start() -> None:
     proc, agent_pid = _start()
     try:
         _kill_job_and_agent(proc, agent_pid)
-        assert not _restored()  # nobody was left to do it
+        assert not sim_node_restored(CONFIG)  # nobody was left to do it
         out = subprocess.run(
             [sys.executable, "-m", "zeus_async", "agent", "--restore"],
             env=_env(),
@@ -117,9 +94,9 @@ def test_sigkill_of_everything_is_restored_at_the_next_agent_start() -> None:
         )
         assert out.returncode == 0, out.stderr
         assert "3 setting(s) found to restore" in out.stdout, out.stdout
-        assert _restored()
+        assert sim_node_restored(CONFIG)
     finally:
-        _finish(proc)
+        finish(proc)
 
 
 def test_a_new_monitor_restores_what_a_killed_job_left() -> None:
@@ -128,9 +105,9 @@ def test_a_new_monitor_restores_what_a_killed_job_left() -> None:
         _kill_job_and_agent(proc, agent_pid)
         code = "from zeus_async import Monitor; Monitor(backend='sim', cpu_indices=[]).close()"
         subprocess.run([sys.executable, "-c", code], env=_env(), check=True, timeout=60)
-        assert _restored()
+        assert sim_node_restored(CONFIG)
     finally:
-        _finish(proc)
+        finish(proc)
 
 
 def test_disk_full_keeps_sampling_and_restores() -> None:
@@ -141,9 +118,9 @@ def test_disk_full_keeps_sampling_and_restores() -> None:
         assert proc.poll() is None  # still measuring windows
         os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=20)
-        _wait_restored()
+        wait_sim_node_restored(CONFIG)
     finally:
-        _finish(proc)
+        finish(proc)
     assert "recorder failed" in err and "No space left on device" in err, err
     assert "Traceback" not in err.split("KeyboardInterrupt")[0] or "recorder" in err
 
@@ -168,11 +145,11 @@ def test_stalled_target_keeps_sampling_and_restores(tmp_path: Path) -> None:
             t0 = time.monotonic()
             os.killpg(proc.pid, signal.SIGINT)
             proc.communicate(timeout=20)
-            _wait_restored()
+            wait_sim_node_restored(CONFIG)
             assert time.monotonic() - t0 < 5  # nobody waited for the hung write
-            assert _gone(agent)
+            assert pid_gone(agent)
         finally:
-            _finish(proc)
+            finish(proc)
     finally:
         os.close(reader)
 
@@ -182,9 +159,9 @@ def test_thread_sampler_killed_is_restored_at_the_next_start() -> None:
     try:
         proc.kill()
         proc.wait(timeout=20)
-        assert not _restored()  # the settings lived in the killed process
+        assert not sim_node_restored(CONFIG)  # the settings lived in the killed process
         code = "from zeus_async import Monitor; Monitor(backend='sim', cpu_indices=[]).close()"
         subprocess.run([sys.executable, "-c", code], env=_env(), check=True, timeout=60)
-        assert _restored()
+        assert sim_node_restored(CONFIG)
     finally:
-        _finish(proc)
+        finish(proc)

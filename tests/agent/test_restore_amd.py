@@ -7,13 +7,19 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from zeus_async.devices.sim_config import sim_preset
 from zeus_async.testing import read_sim_node_state, sim_amdsmi
-from zeus_async.testing.procs import sim_env, start_restore_job
+from zeus_async.testing.procs import (
+    finish,
+    pid_gone,
+    sim_env,
+    sim_node_restored,
+    start_restore_job,
+    wait_sim_node_restored,
+)
 
 CONFIG = sim_preset("amd", num_gpus=2, seed=37)
 
@@ -50,41 +56,11 @@ def _start() -> tuple[subprocess.Popen[str], int]:
     return proc, agent_pid
 
 
-def _restored() -> bool:
-    return all(g.is_default(CONFIG) for g in read_sim_node_state(CONFIG))
-
-
-def _wait_restored(timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if _restored():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"not restored: {read_sim_node_state(CONFIG)}")
-
-
-def _gone(pid: int, timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def _finish(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.kill()
-    proc.communicate(timeout=20)
-
-
 def _kill_job_and_agent(proc: subprocess.Popen[str], agent_pid: int) -> None:
     os.kill(agent_pid, signal.SIGKILL)
     proc.kill()
     proc.wait(timeout=20)
-    assert _gone(agent_pid)
+    assert pid_gone(agent_pid)
 
 
 def test_the_cap_is_seen_through_amdsmi_and_restored_on_ctrl_c() -> None:
@@ -93,11 +69,11 @@ def test_the_cap_is_seen_through_amdsmi_and_restored_on_ctrl_c() -> None:
         assert _caps_seen_through_amdsmi() == [400.0, 400.0]
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=20)
-        _wait_restored()
-        assert _gone(agent_pid)
+        wait_sim_node_restored(CONFIG)
+        assert pid_gone(agent_pid)
         assert _caps_seen_through_amdsmi() == [750.0, 750.0]
     finally:
-        _finish(proc)
+        finish(proc)
 
 
 def test_sigterm_to_the_process_group_restores() -> None:
@@ -105,10 +81,10 @@ def test_sigterm_to_the_process_group_restores() -> None:
     try:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=20)
-        _wait_restored()
-        assert _gone(agent_pid)
+        wait_sim_node_restored(CONFIG)
+        assert pid_gone(agent_pid)
     finally:
-        _finish(proc)
+        finish(proc)
 
 
 def test_sigkill_of_the_job_restores() -> None:
@@ -116,29 +92,29 @@ def test_sigkill_of_the_job_restores() -> None:
     try:
         proc.kill()
         proc.wait(timeout=20)
-        _wait_restored()
-        assert _gone(agent_pid)
+        wait_sim_node_restored(CONFIG)
+        assert pid_gone(agent_pid)
     finally:
-        _finish(proc)
+        finish(proc)
 
 
 def test_sigkill_of_everything_is_restored_at_the_next_start() -> None:
     proc, agent_pid = _start()
     try:
         _kill_job_and_agent(proc, agent_pid)
-        assert not _restored()  # nobody was left to do it
+        assert not sim_node_restored(CONFIG)  # nobody was left to do it
         code = "from zeus_async import Monitor; Monitor(backend='sim-amd', cpu_indices=[]).close()"
         subprocess.run([sys.executable, "-c", code], env=_env(), check=True, timeout=60)
-        assert _restored()
+        assert sim_node_restored(CONFIG)
     finally:
-        _finish(proc)
+        finish(proc)
 
 
 def test_sigkill_of_everything_is_restored_by_agent_restore() -> None:
     proc, agent_pid = _start()
     try:
         _kill_job_and_agent(proc, agent_pid)
-        assert not _restored()
+        assert not sim_node_restored(CONFIG)
         out = subprocess.run(
             [sys.executable, "-m", "zeus_async", "agent", "--restore"],
             env=_env(),
@@ -149,6 +125,6 @@ def test_sigkill_of_everything_is_restored_by_agent_restore() -> None:
         )
         assert out.returncode == 0, out.stderr
         assert "2 setting(s) found to restore" in out.stdout, out.stdout
-        assert _restored()
+        assert sim_node_restored(CONFIG)
     finally:
-        _finish(proc)
+        finish(proc)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -160,3 +161,45 @@ def run_ranks(
                 proc.kill()
                 proc.wait()
     return outputs
+
+
+def pid_gone(pid: int, timeout_s: float = 15.0) -> bool:
+    """Whether process ``pid`` is gone within ``timeout_s`` (polled)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def sim_node_restored(config: Any) -> bool:
+    """Whether every GPU of the simulated node ``config`` has its default settings."""
+    from .sim_state import read_sim_node_state
+
+    return all(g.is_default(config) for g in read_sim_node_state(config))
+
+
+def wait_sim_node_restored(config: Any, timeout_s: float = 15.0) -> None:
+    """Wait until :func:`sim_node_restored`.
+
+    Raises:
+        AssertionError: Not within ``timeout_s`` (with the node's state).
+    """
+    from .sim_state import read_sim_node_state
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sim_node_restored(config):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not restored: {read_sim_node_state(config)}")
+
+
+def finish(proc: subprocess.Popen[str]) -> None:
+    """Kill ``proc`` if it still runs, and collect it."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate(timeout=20)
