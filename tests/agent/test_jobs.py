@@ -108,10 +108,14 @@ def test_a_jobs_counter_goes_on_across_an_agent_killed_and_started_again(
         job = json.loads(_cli(env, "job", "end", "--job", "21", "--json").stdout)
     finally:
         _stop(agent)
-    # From the prolog to the epilog, the second agent's absence included: within 0.5 %
-    # (the last second before the kill is credited from the counter after the restart).
+    # From the prolog to the epilog, the second agent's absence included (the last second
+    # before the kill is credited from the counter after the restart). Within 2 %: the counter
+    # steps at the job's two ends (100 ms each) are shared by time, not by the power inside
+    # them, which on this load is up to ~1 % of a 5.5 s job each (1.4 % seen in 1 of 4
+    # fresh-clone runs with a 0.5 % bound); a restart that lost or doubled the agent's
+    # absence would be ~18 % off.
     truth = _truth(job, [1])
-    assert job["energy_j"] == pytest.approx(truth, rel=0.005), (job, truth)
+    assert job["energy_j"] == pytest.approx(truth, rel=0.02), (job, truth)
 
 
 def test_job_commands_without_an_agent_or_with_bad_input_say_so(env: dict[str, str]) -> None:
