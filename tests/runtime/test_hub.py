@@ -85,3 +85,23 @@ async def test_end_of_stream_and_bad_size() -> None:
     hub.close()
     with pytest.raises(RuntimeError):
         hub.subscribe_batches()
+
+
+async def test_many_deliveries_waiting_on_a_stream_that_closes_all_go_on() -> None:
+    # A burst left several deliveries waiting on one full consumer; it then went away: the
+    # first to see it closed takes it out, the others deliver to the consumers after it
+    # (each raised "list.remove(x): x not in list" before).
+    hub = Hub()
+    full = hub.subscribe(max_buffer=1)
+    after = hub.subscribe(max_buffer=100)
+    assert hub.try_publish(beat(0)) == -1
+    indexes = [hub.try_publish(beat(i)) for i in range(1, 6)]
+    assert indexes == [0] * 5  # every one waits on the full stream
+    async with anyio.create_task_group() as tg:
+        for i, index in enumerate(indexes, 1):
+            tg.start_soon(hub.resume, beat(i), index)
+        await anyio.wait_all_tasks_blocked()
+        full.close()
+    assert hub.consumer_count == 1
+    got = [after.receive_nowait().t_ns for _ in range(6)]
+    assert sorted(got) == list(range(6))

@@ -257,7 +257,14 @@ class Hub:
             try:
                 await stream.send(event)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                self._consumers.remove(stream)
+                # Several deliveries may wait on one stream: the first to see it closed
+                # takes it out; the others find the next consumer where it was.
+                consumers = self._consumers
+                for i, c in enumerate(consumers):
+                    if c is stream:
+                        del consumers[i]
+                        index = i
+                        break
                 index -= 1
             index = self._deliver(event, index + 1)
 
