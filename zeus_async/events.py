@@ -400,7 +400,8 @@ class RequestMeasurement(msgspec.Struct, tag="request", **_OPTS):
     when the server marked them; ``policy`` is how concurrent requests shared each moment
     (``equal``, ``tokens``), and ``method`` adds the energy estimator's method.
     ``finish_reason``: ``completed``, ``cancelled``, ``error`` or ``unfinished`` (settled past
-    the meter's maximum age without an end).
+    the meter's maximum age without an end). ``error_j``: a bound on the measurement part of
+    the energy (the estimator's edge uncertainty, shared as the energy is), not on the policy.
     """
 
     host: str
@@ -417,6 +418,7 @@ class RequestMeasurement(msgspec.Struct, tag="request", **_OPTS):
     policy: str = ""
     method: str = ""
     finish_reason: str = "completed"
+    error_j: float = 0.0
 
 
 class RequestIdle(msgspec.Struct, tag="request_idle", **_OPTS):

@@ -144,6 +144,11 @@ def _lazy(values: npt.NDArray[Any]) -> list[Any]:
     return cast("list[Any]", ArrayList(values))
 
 
+#: :meth:`DeviceHistory.bracket_errors` takes the lowest power of the readings within this
+#: many brackets' lengths of the bracket (0: inside it).
+_BRACKET_SEEN = 0.0
+
+
 class DeviceHistory(CounterPeriods):
     """Samples of one device, kept as parallel lists sorted by time.
 
@@ -750,6 +755,116 @@ class DeviceHistory(CounterPeriods):
                 base = self._cum(t0)
                 return [self._cum(t) - base for t in times], "integrated"
         return None
+
+    def edge_errors(self, times: Sequence[int], method: str) -> tuple[list[float], list[float]]:
+        """Per time of ``times`` (sorted), what :meth:`energy` adds to ``error_j`` for a
+        window beginning there and for one ending there, for a window of ``method`` (what
+        :meth:`cumulative` named): :meth:`_edge_error`'s figures for many edges at once,
+        one bracket of readings at a time (without the readings' lag, which :meth:`energy`
+        adds per window)."""
+        m = len(times)
+        begins = [0.0] * m
+        ends = [0.0] * m
+        right, left = bisect.bisect_right, bisect.bisect_left
+        with self._lock:
+            pt, pw = self._pt, self._pw
+            n = len(pt)
+            k = 0
+            while n and k < m:  # the power readings' part, bracket by bracket
+                i = right(pt, times[k])
+                if i == 0:  # before the first reading: none
+                    k = left(times, pt[0], k)
+                    continue
+                if i == n:  # past the last one: extrapolated at its power
+                    if method != "counter+interpolated":
+                        for j in range(k, m):
+                            begins[j] = ends[j] = pw[-1] * (times[j] - pt[-1]) / 1e9
+                    break
+                k2 = left(times, pt[i], k)
+                d = pw[i] - pw[i - 1]
+                if d:
+                    d, t_a, t_b = abs(d) / 1e9, pt[i - 1], pt[i]
+                    for j in range(k, k2):
+                        begins[j] = d * (t_b - times[j])
+                        ends[j] = d * (times[j] - t_a)
+                k = k2
+            ct = self._ct
+            c = len(ct)
+            k = 0
+            coarse = n and not self.fine_counter and c >= 2 and method.startswith("counter")
+            while coarse and k < m:  # counter updates seen only through wide brackets
+                i = right(ct, times[k])
+                if i == 0:
+                    k = left(times, ct[0], k)
+                    continue
+                if i == c:
+                    break
+                k2 = left(times, ct[i], k)
+                span = self._merged(i)
+                if span is not None:
+                    for j in range(k, k2):
+                        by_power = self._merged_at(times[j], *span, by_power=True)
+                        by_time = self._merged_at(times[j], *span, by_power=False)
+                        begins[j] += abs(by_power - by_time)
+                        ends[j] += abs(by_power - by_time)
+                k = k2
+        return begins, ends
+
+    def bracket_errors(self, times: Sequence[int]) -> list[float]:
+        """Per time of ``times`` (sorted), a bound (J) on how far the counter's split of the
+        update bracket around it (``[t_a, t_b]``, its energy ``dE`` exact) can be from the
+        truth: ``dE - p_lo * (t_b - t_a)``, the bracket's energy above the lowest power the
+        readings in it show (``p_lo``, or its mean power where lower). That much could lie
+        anywhere in the bracket: a power field that samples part of each period (an H100's
+        25 ms in every 100 ms) or lags misses a short burst altogether, and nothing bounds
+        the power from above but the device's limit, which the history does not know. (The
+        floor is the readings' own: a bracket whose readings all miss a dip below them is
+        not covered; readings from the neighbouring brackets as well, which would cover it,
+        make the bound several times looser where the power steps.) What
+        :meth:`edge_errors` leaves out (it counts the readings' own step at an edge). 0
+        outside the counter's brackets and with a counter exact at every read. For the
+        request meter's ``error_j`` (windows' edges use :meth:`_edge_error`)."""
+        m = len(times)
+        out = [0.0] * m
+        right, left = bisect.bisect_right, bisect.bisect_left
+        with self._lock:
+            ct, ce, pt, pw = self._ct, self._ce, self._pt, self._pw
+            c = len(ct)
+            if c < 2 or not pt or self.fine_counter:
+                return out
+            refined = self._refined
+            known: dict[int, float] = {}  # refined update instants asked for
+            brackets: dict[int, float] = {}
+            i_at = -1
+            t_a = t_b = 0.0
+            for j, t in enumerate(times):
+                if not t_a <= t < t_b:  # (times sorted: most fall in the last bracket)
+                    i = right(ct, t)
+                    if i == 0 or i == c:
+                        continue
+                    t_a = known.get(i - 1) or known.setdefault(i - 1, refined(i - 1))
+                    t_b = known.get(i) or known.setdefault(i, refined(i))
+                    if t < t_a and i >= 2:  # (as the split does: the refined update instants)
+                        i -= 1
+                        t_a, t_b = known.get(i - 1) or known.setdefault(i - 1, refined(i - 1)), t_a
+                    elif t >= t_b and i + 1 < c:
+                        i += 1
+                        t_a, t_b = t_b, known.get(i) or known.setdefault(i, refined(i))
+                    i_at = i
+                got = brackets.get(i_at)
+                if got is None:
+                    length = t_b - t_a
+                    energy = ce[i_at] - ce[i_at - 1]
+                    got = 0.0
+                    if length > 0:
+                        mean = energy / (length / 1e9)
+                        lo = left(pt, t_a - _BRACKET_SEEN * length)
+                        seen = pw[lo : right(pt, t_b + _BRACKET_SEEN * length, lo)]
+                        p_lo = min(min(seen, default=mean), mean)
+                        got = max(energy - max(p_lo, 0.0) * length / 1e9, 0.0)
+                    brackets[i_at] = got
+                out[j] = got
+        return out
 
     def span_energy(self) -> EnergyEstimate:
         """Energy over the device's own span, from its first to its last sample.

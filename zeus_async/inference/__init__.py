@@ -10,17 +10,25 @@ from .attribution import (
     GpuAttribution,
     RequestEnergy,
     RequestSpan,
+    StepEntry,
+    StepSpan,
     attribute,
+    default_step_weight,
 )
+from .clocks import ClockMap
 from .meter import MeterTotals, RequestMeter
 
 __all__ = [
     "POLICIES",
     "Attribution",
+    "ClockMap",
     "GpuAttribution",
     "MeterTotals",
     "RequestEnergy",
     "RequestMeter",
     "RequestSpan",
+    "StepEntry",
+    "StepSpan",
     "attribute",
+    "default_step_weight",
 ]

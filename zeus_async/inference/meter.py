@@ -33,6 +33,13 @@ request's begin once that many have been taken), and :meth:`RequestMeter.consume
 a worker thread, one slice after another, so the event loop never waits for it;
 :meth:`RequestMeter.settle_soon` asks for a settle in the meter's own thread.
 
+An engine gives its edges after the fact with ``at_ns=`` (its own clock mapped by
+:class:`~.clocks.ClockMap`): with ``max_edge_delay_s``, the horizon stays that far behind now,
+so edges come in any order within it (each request's own in the order of its calls); an edge
+stamped before what is settled is taken as stamped then and counted (``late``). It reports
+its forward passes with :meth:`RequestMeter.step`, which the ``steps`` policy splits by
+``step_weight``; steps cut by a horizon keep their weights on both sides.
+
 With a carbon configuration (``RequestMeter(carbon=CarbonConfig(...))``), each settled
 interval is also cut where the intensity may change (:meth:`Carbon.cuts
 <zeus_async.aggregate.footprints.Carbon.cuts>`) and attributed piece by piece, so every
@@ -48,9 +55,10 @@ import itertools
 import logging
 import math
 import operator
+import sys
 import threading
 import time
-from collections.abc import AsyncIterable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -66,7 +74,10 @@ from .attribution import (
     Policy,
     RequestEnergy,
     RequestSpan,
+    StepEntry,
+    StepSpan,
     attribute,
+    default_step_weight,
 )
 
 if TYPE_CHECKING:
@@ -76,7 +87,7 @@ __all__ = ["BAD_INPUT_KINDS", "FINISH_REASONS", "MeterTotals", "RequestMeter"]
 
 logger = logging.getLogger(__name__)
 
-_BEGIN, _PHASE, _END = 0, 1, 2
+_BEGIN, _PHASE, _END, _STEP, _DISCARD = 0, 1, 2, 3, 4
 
 #: Readings kept before the horizon (ns): context for the counter's update grid.
 _CONTEXT_NS = 10_000_000_000
@@ -86,8 +97,8 @@ _CONTEXT_NS = 10_000_000_000
 FINISH_REASONS: Final = ("completed", "cancelled", "error", "unfinished")
 
 #: What the app can get wrong, counted in ``MeterTotals.bad_input`` (a fixed set: bounded
-#: metric labels). ``unknown_id``: a phase, end or abort of a request never begun (or
-#: forgotten); ``began_twice``: a begin of a request in flight or not yet settled;
+#: metric labels). ``unknown_id``: a phase, end, abort or discard of a request never begun
+#: (or forgotten); ``began_twice``: a begin of a request in flight or not yet settled;
 #: ``ended_twice``: a second end or abort; ``ended_after_max_age``: an end of a request
 #: already settled as unfinished; ``tokens``: a token count not a non-negative integer
 #: (counted as 0); ``gpus``: GPUs not a non-empty sequence of indices, or one the meter does
@@ -95,7 +106,11 @@ FINISH_REASONS: Final = ("completed", "cancelled", "error", "unfinished")
 #: ``reason``: an abort reason other than cancelled or error (taken as error);
 #: ``too_many_open``: more than ``max_open`` requests in flight (the oldest settled as
 #: unfinished); ``overflow``: an edge or reading dropped because more than ``max_pending``
-#: were waiting for a settle.
+#: were waiting for a settle; ``late``: an edge (or step) stamped before what is already
+#: settled, taken as stamped then (a step wholly before it dropped), or a timestamp not an
+#: integer (taken as now); ``step``: a step not well formed (its end before its start, a
+#: batch that is not a sequence of entries, an entry's weight negative or NaN: that entry
+#: weighs 0).
 BAD_INPUT_KINDS: Final = (
     "unknown_id",
     "began_twice",
@@ -107,6 +122,8 @@ BAD_INPUT_KINDS: Final = (
     "reason",
     "too_many_open",
     "overflow",
+    "late",
+    "step",
 )
 #: The kinds whose edge is dropped whole (``MeterTotals.dropped_edges``).
 _DROPPING: Final = frozenset(
@@ -116,6 +133,13 @@ _DROPPING: Final = frozenset(
 _RECENT_IDS = 10_000
 #: Seconds between two log lines of one kind of bad input (the first is logged at once).
 _LOG_EVERY_S = 60.0
+#: Idle seconds (settled, no request in flight) a GPU needs before the ``steps`` policy's
+#: automatic base power is its mean idle power; until then, its ``_BASE_LOWEST``-th lowest
+#: power reading so far (one glitch reading of 0 W does not make it).
+_BASE_MIN_IDLE_S = 1.0
+_BASE_LOWEST = 5
+#: Requests per settle slice at most in :meth:`RequestMeter.consume`'s worker thread.
+_CONSUME_SLICE = 1000
 
 
 @dataclass
@@ -125,6 +149,8 @@ class MeterTotals:
     energy_j: dict[int, float] = field(default_factory=dict)
     requests_j: dict[int, float] = field(default_factory=dict)
     idle_j: dict[int, float] = field(default_factory=dict)
+    #: Seconds with no request in flight (the time ``idle_j`` was drawn over).
+    idle_s: dict[int, float] = field(default_factory=dict)
     requests: int = 0
     #: Edges that could not be used (an end without a begin, a second begin, ...).
     dropped_edges: int = 0
@@ -163,8 +189,8 @@ class RequestMeter:
     """Energy per inference request (see the module docstring).
 
     Args:
-        policy: How a moment's energy is split among the requests in flight: ``"equal"`` or
-            ``"tokens"`` (:mod:`.attribution`).
+        policy: How a moment's energy is split among the requests in flight: ``"equal"``,
+            ``"tokens"`` or ``"steps"`` (:mod:`.attribution`; ``steps`` uses :meth:`step`).
         gpus: The GPUs to account for (default: those the requests name). A GPU listed here
             reports its idle energy even when no request ran on it; with a list, a request
             naming another GPU is counted as bad input and runs on these.
@@ -183,6 +209,19 @@ class RequestMeter:
         settle_batch: Requests settled per :meth:`settle` call at most (bounded work).
         max_pending: Edges, and readings, waiting for a settle at most; beyond, they are
             dropped and counted (``overflow``): only when nothing settles at all.
+        max_edge_delay_s: How late an edge may come (``at_ns`` that far before it is
+            given): the horizon stays that far behind now, and edges within it may come in
+            any order. An edge stamped before what is settled is taken as stamped then and
+            counted (``late``). 0 (the default): edges are stamped as they are given.
+        step_weight: The ``steps`` policy's weight of a request in a step (a
+            :class:`~.attribution.StepEntry` -> float >= 0); default
+            :func:`~.attribution.default_step_weight` (tokens, weighted by context).
+        step_base_w: The ``steps`` policy's base power (W): the power a GPU draws whatever
+            a step computes (its idle power); in a step, that much (never more than the
+            step's own power) is split equally among the step's requests and only the rest
+            by ``step_weight``. ``None`` (the default): estimated per GPU
+            (:meth:`base_power_w`); a number: that for every GPU (0: all of a step's energy
+            by the weights); a mapping: per GPU (those it leaves out estimated).
 
     Raises:
         ConfigError: An unknown policy, a limit that is not positive, or what the carbon
@@ -202,11 +241,34 @@ class RequestMeter:
         max_open: int = 100_000,
         settle_batch: int = 10_000,
         max_pending: int = 1_000_000,
+        max_edge_delay_s: float = 0.0,
+        step_weight: Callable[[StepEntry], float] | None = None,
+        step_base_w: float | Mapping[int, float] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
         if not (max_age_s > 0 and max_open > 0 and settle_batch > 0 and max_pending > 0):
             raise ConfigError("max_age_s, max_open, settle_batch and max_pending must be > 0")
+        given: dict[int, float] | float | None
+        if isinstance(step_base_w, Mapping):
+            given = {int(g): float(w) for g, w in step_base_w.items()}
+            bases = list(given.values())
+        else:
+            given = None if step_base_w is None else float(step_base_w)
+            bases = [] if given is None else [given]
+        if not (max_edge_delay_s >= 0 and all(w >= 0 and w != math.inf for w in bases)):
+            raise ConfigError("max_edge_delay_s must be >= 0, step_base_w finite and >= 0")
+        #: The base power given (per GPU, or for all; ``None``: estimated).
+        self._base_given = given
+        #: Per GPU, its ``_BASE_LOWEST`` lowest power readings so far, negated (a heap: the
+        #: highest of them first), for the base power's estimate before idle time.
+        self._lowest: dict[int, list[float]] = {}
+        self._base_from_idle: set[int] = set()  # GPUs whose base power is their idle power
+        self._watch_power = policy == "steps" and not isinstance(given, float)
+        self._delay_ns = round(max_edge_delay_s * 1e9)
+        self._step_weight = step_weight or default_step_weight
+        #: Steps taken from the edges and not settled yet (policy ``steps`` only).
+        self._steps: list[StepSpan] = []
         self.policy = policy
         #: The opened carbon configuration (``None``: no carbon figures).
         self.carbon: Carbon | None = Carbon.of(carbon)
@@ -274,16 +336,20 @@ class RequestMeter:
                 edges.pop()
             self._bad("overflow", "", "edges waiting for a settle past the bound", excess)
 
-    def begin(self, request_id: str, gpus: Sequence[int] = (0,)) -> None:
-        """A request starts (its prefill, when phases are marked)."""
+    def begin(
+        self, request_id: str, gpus: Sequence[int] = (0,), *, at_ns: int | None = None
+    ) -> None:
+        """A request starts (its prefill, when phases are marked). ``at_ns``: when, in ns on
+        the meter's clock (``None``: now; an engine's own clock is mapped with
+        :class:`~.clocks.ClockMap`)."""
         # A bare append: this is the serving thread's whole cost (the bound on what waits is
         # kept where readings come in and at each settle: _bound_edges).
-        self._edges.append((_BEGIN, request_id, self._clock(), gpus))
+        self._edges.append((_BEGIN, request_id, self._clock() if at_ns is None else at_ns, gpus))
 
-    def phase(self, request_id: str, name: str = "decode") -> None:
+    def phase(self, request_id: str, name: str = "decode", *, at_ns: int | None = None) -> None:
         """The request moves to ``decode`` (its first output token is out). Another phase
         name is counted as bad input (``phase``) and ignored."""
-        self._edges.append((_PHASE, request_id, self._clock(), name))
+        self._edges.append((_PHASE, request_id, self._clock() if at_ns is None else at_ns, name))
 
     def end(
         self,
@@ -293,13 +359,19 @@ class RequestMeter:
         tokens_out: int = 0,
         route: str = "",
         model: str = "",
+        at_ns: int | None = None,
     ) -> None:
         """The request is done, with its token counts, and optionally the route (a template
         such as ``/v1/chat/completions``, never a raw path) and model that served it, which
         label its figures (:class:`~.metrics.RequestMetrics` keeps their number bounded).
-        Its ``finish_reason`` is ``completed``."""
+        Its ``finish_reason`` is ``completed``. ``at_ns``: as for :meth:`begin`."""
         self._edges.append(
-            (_END, request_id, self._clock(), (tokens_in, tokens_out, route, model, ""))
+            (
+                _END,
+                request_id,
+                self._clock() if at_ns is None else at_ns,
+                (tokens_in, tokens_out, route, model, ""),
+            )
         )
 
     def abort(
@@ -311,12 +383,39 @@ class RequestMeter:
         tokens_out: int = 0,
         route: str = "",
         model: str = "",
+        at_ns: int | None = None,
     ) -> None:
         """The request stops unfinished: ``reason`` is ``"cancelled"`` (the client went away)
         or ``"error"`` (the server failed); the tokens it got through, if known. It is
-        attributed like an ended request, with that ``finish_reason``."""
+        attributed like an ended request, with that ``finish_reason``. ``at_ns``: as for
+        :meth:`begin`."""
         edge = (tokens_in, tokens_out, route, model, reason or "?")
-        self._push((_END, request_id, self._clock(), edge))
+        self._push((_END, request_id, self._clock() if at_ns is None else at_ns, edge))
+
+    def discard(self, request_id: str) -> None:
+        """Forget a request begun and not settled yet, as if it had never begun: no result,
+        no finish count; its time goes to the other requests in flight then, or to idle (an
+        ASGI request that matched no route, say). A request ended and settled in part (it
+        ended after a settle's horizon it began before) loses its result, not the energy
+        already settled. An id not begun, or already settled, is counted as bad input
+        (``unknown_id``). Never raises."""
+        self._edges.append((_DISCARD, request_id, 0, None))
+
+    def step(
+        self,
+        batch: Sequence[StepEntry | tuple[str, int, int, int]],
+        *,
+        start_ns: int,
+        end_ns: int,
+        gpus: Sequence[int] | None = None,
+    ) -> None:
+        """One engine step (a forward pass) over ``[start_ns, end_ns]`` (the meter's clock):
+        the requests in it, each a :class:`~.attribution.StepEntry` (or a plain
+        ``(request_id, prefill_tokens, decode_tokens, context_len)``); ``gpus``: those that
+        ran it (default: those of its requests). With ``policy="steps"``, the step's energy
+        is split by ``step_weight`` of each entry; other policies ignore steps. Checked at
+        the next settle (bad input counted as ``step``, ``unknown_id`` or ``late``)."""
+        self._push((_STEP, "", start_ns, (end_ns, batch, gpus)))
 
     # -- the data side ----------------------------------------------------------------------
 
@@ -337,20 +436,47 @@ class RequestMeter:
         for event in events:
             self.add(event)
 
-    async def consume(self, stream: AsyncIterable[Event], *, every_s: float = 0.5) -> None:
+    async def consume(
+        self,
+        stream: AsyncIterable[Event],
+        *,
+        every_s: float = 0.5,
+        switch_interval_s: float | None = 0.001,
+    ) -> None:
         """A runtime consumer: take every reading, settle about every ``every_s``, in a
         worker thread (one bounded slice after another until caught up), so the event loop
-        goes on; subscribers are called back on the loop."""
+        goes on; subscribers are called back on the loop.
+
+        ``switch_interval_s``: while it runs, Python's GIL switch interval
+        (:func:`sys.setswitchinterval`) is lowered to this (1 ms) where it is larger (5 ms
+        by default), and put back when the last consume running ends (unless someone else
+        changed it meanwhile); ``None``: left alone. Why: the settling thread holds the GIL
+        for up to the switch interval each time the loop's thread wants it back, so a
+        handler on the loop waits that long while a settle runs; with 5 ms the loop's p99
+        lag under load is 8-13 ms, with 1 ms 2.4-5 ms (``bench/inference/bench_loop_lag.py``).
+        The interval is process-wide: a shorter one costs some throughput in CPU-bound
+        threads (more switches). Its slices are of ``settle_batch`` requests at most, and
+        1,000 at most (shorter stretches between the loop's turns: p99 lag 4.6-7.7 ms
+        against 6.2-9.3 ms with 10,000, in the same bench)."""
+
+        _lower_switch_interval(switch_interval_s)
+        try:
+            await self._consume(stream, every_s)
+        finally:
+            _restore_switch_interval(switch_interval_s)
+
+    async def _consume(self, stream: AsyncIterable[Event], every_s: float) -> None:
         import anyio
 
         busy = False
+        slice_ = min(self._batch, _CONSUME_SLICE)
 
         async def catch_up() -> None:
             nonlocal busy
             try:
                 more = True
                 while more:
-                    out, more = await run_sync(self._settle_slice, None)
+                    out, more = await run_sync(self._settle_slice, slice_)
                     self._notify(out)
             except Exception:
                 logger.exception("settling requests failed")
@@ -463,17 +589,66 @@ class RequestMeter:
             if history is None:
                 history = histories[event.gpu] = DeviceHistory(f"gpu:{event.gpu}")
             add_sample(history, event)
+            p = event.power_w
+            if self._watch_power and p is not None and event.gpu not in self._base_from_idle:
+                low = self._lowest.get(event.gpu)
+                if low is None:
+                    low = self._lowest[event.gpu] = []
+                if len(low) < _BASE_LOWEST:
+                    if p >= 0:  # (NaN and negative readings are not power)
+                        heapq.heappush(low, -p)
+                elif 0 <= p < -low[0]:
+                    heapq.heapreplace(low, -p)
+
+    def base_power_w(self, gpu: int) -> float:
+        """The ``steps`` policy's base power of ``gpu`` (W): the ``step_base_w`` given for
+        it, or its estimate: the GPU's mean power while no request was in flight (settled
+        idle energy over idle time) once it has been idle ``_BASE_MIN_IDLE_S`` (1 s) in all;
+        before that, its 5th lowest power reading so far (a GPU at rest when the meter
+        started; a GPU busy all along: its lightest moment, above its idle power, but a step
+        never gets more than its own energy split equally); 0 without either."""
+        given = self._base_given
+        if isinstance(given, float):
+            return given
+        if given is not None and gpu in given:
+            return given[gpu]
+        totals = self.totals
+        idle_s = totals.idle_s.get(gpu, 0.0)
+        if idle_s >= _BASE_MIN_IDLE_S:
+            self._base_from_idle.add(gpu)
+            self._lowest.pop(gpu, None)
+            return max(0.0, totals.idle_j.get(gpu, 0.0) / idle_s)
+        low = self._lowest.get(gpu)
+        return -low[0] if low else 0.0
 
     def _drain_edges(self, budget: int | None = None) -> int | None:
         """Take the queued edges (at most ``budget``); returns the time of the first edge
         left queued (``None``: none left), which the horizon must not pass."""
         edges = self._edges
         taken = 0
+        settled = self._settled_ns
         while edges:
             if budget is not None and taken >= budget:
-                return int(edges[0][2])
+                # (an edge given later may be stamped up to the delay before this one)
+                first = edges[0][2]
+                return (first if type(first) is int else self._clock()) - self._delay_ns
             taken += 1
             kind, rid, t, payload = edges.popleft()
+            if kind == _DISCARD:
+                self._discard(rid)
+                continue
+            if type(t) is not int:
+                t = self._time(rid, t)
+            if settled is not None and t < settled:
+                if kind == _STEP:
+                    self._take_step(t, payload, settled)
+                    continue
+                self._bad("late", rid, f"edge stamped {(settled - t) / 1e6:.3f} ms before "
+                          "the settled horizon (taken as stamped then)")  # fmt: skip
+                t = settled
+            if kind == _STEP:
+                self._take_step(t, payload, settled)
+                continue
             if kind == _BEGIN:
                 if rid in self._open or rid in self._edges_of:
                     self._bad("began_twice", rid, "a begin of a request not yet settled")
@@ -531,6 +706,68 @@ class RequestMeter:
             self._close(rid, req, t, (tin, tout, route, model), reason)
         return None
 
+    def _time(self, rid: str, t: Any) -> int:
+        """A timestamp given that is not an int: as an integer (a float's rounding), or now
+        (counted as ``late``) when it is not a finite number."""
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            f = float(t)
+            if math.isfinite(f):
+                return round(f)
+        except Exception:
+            pass
+        self._bad("late", rid, f"timestamp {_show(t)} is not a number of ns (taken as now)")
+        return self._clock()
+
+    def _take_step(self, start: int, payload: Any, settled: int | None) -> None:
+        """A step from the edges, checked, weighed and kept for the settles."""
+        if self.policy != "steps":
+            return
+        end, batch, gpus = payload
+        if type(end) is not int:
+            end = self._time("", end)
+        if end < start:
+            self._bad("step", "", f"a step ending {(start - end) / 1e6:.3f} ms before it starts")
+            return
+        if settled is not None and start < settled:
+            self._bad("late", "", f"a step stamped {(settled - start) / 1e6:.3f} ms before "
+                      "the settled horizon")  # fmt: skip
+            if end <= settled:
+                return
+            start = settled
+        if gpus is not None:
+            gpus = self._gpus_of("", gpus)
+        weights: list[tuple[str, float]] = []
+        weigh = self._step_weight
+        try:
+            entries = list(batch)
+        except Exception:
+            entries = None
+        if entries is None or isinstance(batch, (str, bytes)):
+            self._bad("step", "", f"batch {_show(batch)} is not a sequence of entries")
+            return
+        for entry in entries:
+            try:
+                if type(entry) is not StepEntry:
+                    entry = StepEntry(*entry)
+                rid = entry.request_id
+                w = float(weigh(entry))
+                if type(rid) is not str:
+                    raise TypeError("request id")
+            except Exception as e:
+                self._bad("step", "", f"step entry {_show(entry)}: {_show(e)} (dropped)")
+                continue
+            if not w >= 0 or w == math.inf:
+                self._bad("step", rid, f"step weight {_show(w)} (taken as 0)")
+                continue
+            weights.append((rid, w))
+        steps = self._steps
+        if len(steps) >= self._max_pending:
+            self._bad("overflow", "", "steps waiting for a settle")
+            return
+        steps.append(StepSpan(start, end, gpus, tuple(weights)))
+
     def _close(
         self,
         rid: str,
@@ -549,6 +786,32 @@ class RequestMeter:
         heapq.heappush(self._done, (req.begin_ns, next(self._seq), span))
         if reason == "unfinished":
             self._remember(rid, False)
+
+    def _discard(self, rid: str) -> None:
+        """Request ``rid`` forgotten (:meth:`discard`), with its entries in steps taken."""
+        if self._steps:
+            self._steps = [
+                st
+                if all(e[0] != rid for e in st.weights)
+                else StepSpan(
+                    st.start_ns,
+                    st.end_ns,
+                    st.gpus,
+                    tuple(e for e in st.weights if e[0] != rid),
+                    st.duration_ns,
+                )
+                for st in self._steps
+            ]
+        if self._open.pop(rid, None) is not None:
+            return  # (its entry in _open_heap is stale now: skipped)
+        if rid in self._edges_of:
+            del self._edges_of[rid]
+            self._partial.pop(rid, None)
+            self._partial_fp.pop(rid, None)
+            self._done = [d for d in self._done if d[2].request_id != rid]
+            heapq.heapify(self._done)
+            return
+        self._bad("unknown_id", rid, "discard of a request not in flight (ignored)")
 
     def _remember(self, rid: str, settled: bool) -> None:
         recent = self._recent
@@ -587,7 +850,7 @@ class RequestMeter:
     def horizon_ns(self) -> int | None:
         """Up to when energy can be attributed now (``None``: nothing yet): no later than
         the first request still in flight began (its token rates are not known yet), nor than
-        every GPU's readings cover, less ``lag_s``."""
+        every GPU's readings cover, less ``lag_s``, nor than now less ``max_edge_delay_s``."""
         with self._lock:
             self._drain_readings()
             return self._horizon(self._clock())
@@ -607,6 +870,8 @@ class RequestMeter:
         if not ends:
             return None
         horizon = min(ends) - self._lag_ns
+        if self._delay_ns:  # edges stamped up to the delay ago may still come
+            horizon = min(horizon, now - self._delay_ns)
         oldest = self._oldest_open()
         if oldest is not None:
             horizon = min(horizon, self._open[oldest].begin_ns)
@@ -682,7 +947,8 @@ class RequestMeter:
             firsts = [h.first_t_ns for h in self._histories.values() if h.first_t_ns]
             start = max(firsts) if firsts else horizon
         if horizon <= start:
-            return None, False
+            # (edges left queued: the next slice takes them, and may settle then)
+            return None, more and bool(self._edges)
         # The requests that began before the horizon, earliest first; past ``budget`` of
         # them (beginning after ``start``: those in flight at ``start`` always come), the
         # horizon stops at the next one's begin.
@@ -709,6 +975,11 @@ class RequestMeter:
                 now_spans.append(head)
                 heapq.heappush(done, (tail.begin_ns, next(self._seq), tail))
                 pending.add(span.request_id)
+        now_steps: list[StepSpan] = []
+        if self._steps:
+            ids = {s.request_id for s in now_spans}
+            now_steps, self._steps = _cut_steps(self._steps, horizon, ids, ids - pending)
+            now_steps = [_clipped_step(st, start) for st in now_steps if st.end_ns > start]
         gpus = sorted(self._gpus | {g for s in now_spans for g in s.gpus})
         methods: dict[int, str] = {}
         carbon = self.carbon
@@ -723,13 +994,34 @@ class RequestMeter:
             methods[gpu] = got[1]
             return got[0]
 
+        def errors(gpu: int, times: Sequence[int]) -> tuple[list[float], list[float]] | None:
+            h = self._histories.get(gpu)
+            got = methods.get(gpu)
+            if h is None or got is None or got == "unavailable":
+                return None
+            begins, ends = h.edge_errors(times, got)
+            if got.startswith("counter"):
+                # The counter's split of its bracket, whole (the readings' step at an edge
+                # is one cause of its error: the larger of the two bounds)
+                inside = h.bracket_errors(times)
+                begins = [a if a > b else b for a, b in zip(begins, inside, strict=True)]
+                ends = [a if a > b else b for a, b in zip(ends, inside, strict=True)]
+            return begins, ends
+
         # One attribution per piece between the intensity's steps (one piece without
         # carbon, or with a source that does not change in the interval).
         outs: list[Attribution] = []
+        bases = {g: self.base_power_w(g) for g in gpus} if self.policy == "steps" else {}
         rest = now_spans
+        rest_steps = now_steps
         footprints: dict[str, list[Footprint]] = {}
         for a, b in itertools.pairwise(points):
             inside, rest = _cut(rest, b) if b < horizon else (rest, [])
+            inside_steps = rest_steps
+            if rest_steps and b < horizon:
+                ids = {s.request_id for s in inside}
+                ended = {s.request_id for s in inside if s.end_ns < b}
+                inside_steps, rest_steps = _cut_steps(rest_steps, b, ids, ended)
             piece = attribute(
                 inside,
                 cumulative=cumulative,
@@ -738,7 +1030,13 @@ class RequestMeter:
                 gpus=gpus,
                 policy=self.policy,
                 method=methods,
+                steps=inside_steps,
+                errors=errors,
+                step_base_w=bases,
             )
+            for kind, count in piece.bad_input.items():
+                self._bad(kind, "", "a step entry for a request not in flight on the step's "
+                          "GPUs (its weight dropped)", count)  # fmt: skip
             outs.append(piece)
             if carbon is not None:
                 # The intensity is one step over the piece: its requests' energy there
@@ -754,6 +1052,7 @@ class RequestMeter:
             totals.energy_j[gpu] = totals.energy_j.get(gpu, 0.0) + g.energy_j
             totals.requests_j[gpu] = totals.requests_j.get(gpu, 0.0) + g.requests_j
             totals.idle_j[gpu] = totals.idle_j.get(gpu, 0.0) + g.idle_j
+            totals.idle_s[gpu] = totals.idle_s.get(gpu, 0.0) + g.idle_s
         self._settled_ns = horizon
         for h in self._histories.values():
             # Readings well before the horizon: the counter's update grid is fitted to
@@ -836,6 +1135,7 @@ class RequestMeter:
                         policy=out.policy,
                         method=r.method,
                         finish_reason=r.finish_reason,
+                        error_j=r.error_j,
                     )
                 )
             publish(
@@ -861,6 +1161,42 @@ class RequestMeter:
     def in_flight(self) -> int:
         """Requests begun and not yet ended (as of the last :meth:`settle`)."""
         return len(self._open)
+
+
+#: consume()'s lowering of the GIL switch interval: how many consume calls run, the interval
+#: before the first of them lowered it, and what they set it to (to tell whether someone else
+#: changed it since).
+_switch_lock = threading.Lock()
+_switch_users = 0
+_switch_saved: float | None = None
+_switch_set: float | None = None
+
+
+def _lower_switch_interval(to: float | None) -> None:
+    global _switch_users, _switch_saved, _switch_set
+    if to is None:
+        return
+    with _switch_lock:
+        _switch_users += 1
+        now = sys.getswitchinterval()
+        if to > 0 and now > to:
+            if _switch_saved is None:
+                _switch_saved = now
+            sys.setswitchinterval(to)
+            _switch_set = sys.getswitchinterval()
+
+
+def _restore_switch_interval(to: float | None) -> None:
+    global _switch_users, _switch_saved, _switch_set
+    if to is None:
+        return
+    with _switch_lock:
+        _switch_users -= 1
+        if _switch_users > 0:
+            return
+        if _switch_saved is not None and sys.getswitchinterval() == _switch_set:
+            sys.setswitchinterval(_switch_saved)
+        _switch_saved = _switch_set = None
 
 
 def _show(value: Any) -> str:
@@ -952,7 +1288,39 @@ def _merge(earlier: RequestEnergy | None, part: RequestEnergy) -> RequestEnergy:
     earlier.prefill_j = add(earlier.prefill_j, part.prefill_j)
     earlier.decode_j = add(earlier.decode_j, part.decode_j)
     earlier.method = part.method or earlier.method
+    earlier.error_j += part.error_j
     return earlier
+
+
+def _cut_steps(
+    steps: Sequence[StepSpan], at: int, ids: set[str], ended: set[str]
+) -> tuple[list[StepSpan], list[StepSpan]]:
+    """``steps`` up to ``at`` and from it; a step across ``at`` is cut there, its head
+    keeping the entries of the requests in ``ids`` (those attributed up to ``at``: one that
+    begins after it is not an unknown id there), its tail all but those in ``ended`` (ended by
+    ``at``), each with its weight."""
+    head: list[StepSpan] = []
+    tail: list[StepSpan] = []
+    for st in steps:
+        if st.end_ns <= at:
+            head.append(st)
+        elif st.start_ns >= at:
+            tail.append(st)
+        else:
+            w, whole = st.weights, st.whole_ns
+            head.append(
+                StepSpan(st.start_ns, at, st.gpus, tuple(e for e in w if e[0] in ids), whole)
+            )
+            tail.append(
+                StepSpan(at, st.end_ns, st.gpus, tuple(e for e in w if e[0] not in ended), whole)
+            )
+    return head, tail
+
+
+def _clipped_step(step: StepSpan, start: int) -> StepSpan:
+    if step.start_ns >= start:
+        return step
+    return StepSpan(start, step.end_ns, step.gpus, step.weights, step.whole_ns)
 
 
 def _clipped(span: RequestSpan, start: int) -> RequestSpan:
