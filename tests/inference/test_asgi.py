@@ -3,6 +3,7 @@ concurrent clients; and the Prometheus histograms of the settled requests."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import threading
@@ -10,6 +11,7 @@ import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
@@ -56,6 +58,22 @@ async def stream(request: Request) -> StreamingResponse:
     return StreamingResponse(chunks(), media_type="text/plain")
 
 
+async def events(request: Request) -> StreamingResponse:
+    """An event stream; ``?fail=1``: the engine fails after the first event."""
+    fail = request.query_params.get("fail") == "1"
+
+    async def chunks() -> AsyncIterator[bytes]:
+        await _busy(0.02)
+        yield b"data: a\n\n"
+        await _busy(0.01)
+        if fail:
+            raise RuntimeError("the engine died")
+        yield b"data: b\n\n"
+        request.state.tokens = (5, 2)
+
+    return StreamingResponse(chunks(), media_type="text/event-stream")
+
+
 async def _busy(seconds: float) -> None:
     import anyio
 
@@ -72,7 +90,8 @@ def _free_port() -> int:
 def server() -> Iterator[tuple[str, RequestMeter, RequestMetrics]]:
     meter = RequestMeter("tokens", gpus=[0], lag_s=0.02)
     metrics = RequestMetrics(meter)
-    app = Starlette(routes=[Route("/generate", generate), Route("/stream", stream)])
+    routes = [Route("/generate", generate), Route("/stream", stream), Route("/events", events)]
+    app = Starlette(routes=routes)
     wrapped = EnergyMiddleware(app, meter, energy_header=True, header_wait_s=10.0)
     port = _free_port()
     config = uvicorn.Config(wrapped, host="127.0.0.1", port=port, log_level="warning")
@@ -100,6 +119,14 @@ def _get(url: str) -> tuple[dict[str, str], bytes]:
         return {k.lower(): v for k, v in response.headers.items()}, response.read()
 
 
+def _settled(meter: RequestMeter, rid: str) -> Any:
+    deadline = time.monotonic() + 10
+    while meter.settled(rid) is None and time.monotonic() < deadline:
+        meter.settle_soon()
+        time.sleep(0.01)
+    return meter.settled(rid)
+
+
 def test_each_response_carries_its_energy(
     server: tuple[str, RequestMeter, RequestMetrics],
 ) -> None:
@@ -115,7 +142,8 @@ def test_each_response_carries_its_energy(
     assert r.energy_j == pytest.approx(energy, rel=1e-5)
     headers, body = _get(f"{base}/stream")
     assert body == b"token0 token1 token2 "
-    r = meter.settled(headers["x-energy-request-id"])
+    assert "x-energy-joules" not in headers  # a stream is never held for the header
+    r = _settled(meter, headers["x-energy-request-id"])
     assert r is not None and r.prefill_j is not None and r.decode_j is not None  # streamed
 
 
@@ -134,11 +162,46 @@ def test_many_concurrent_requests_conserve_the_gpu_energy(
     assert sum(energies) == pytest.approx(totals.requests_j[0], rel=1e-4)
     # Prometheus: every request observed once; the per-GPU counters add up to the measured.
     sample = metrics.registry.get_sample_value
-    assert sample("zeus_request_energy_joules_count", {"policy": "tokens"}) == 96
-    assert sample("zeus_request_energy_joules_sum", {"policy": "tokens"}) == pytest.approx(
+    labels = {"policy": "tokens", "route": "/generate", "model": ""}  # the matched template
+    assert sample("zeus_request_energy_joules_count", labels) == 96
+    assert sample("zeus_request_energy_joules_sum", labels) == pytest.approx(
         sum(energies), rel=1e-4
     )
-    assert sample("zeus_request_energy_per_output_token_joules_count", {"policy": "tokens"}) == 96
+    assert sample("zeus_request_energy_per_output_token_joules_count", labels) == 96
     requests = sample("zeus_request_gpu_energy_joules_total", {"gpu": "0", "kind": "requests"})
     idle = sample("zeus_request_gpu_energy_joules_total", {"gpu": "0", "kind": "idle"})
+    assert requests is not None and idle is not None
     assert requests + idle == pytest.approx(totals.energy_j[0], rel=1e-9)
+
+
+def _sse_payload(body: bytes) -> dict[str, Any]:
+    (energy,) = [b for b in body.split(b"\n\n") if b.startswith(b"event: energy")]
+    payload: dict[str, Any] = json.loads(energy.split(b"data: ", 1)[1])
+    return payload
+
+
+def test_event_streams_end_with_their_energy_and_a_failure_keeps_what_was_sent(
+    server: tuple[str, RequestMeter, RequestMetrics],
+) -> None:
+    """Behind uvicorn, with the header mode on: a stream is not held, its last event carries
+    its settled figure; one failing midway keeps its first event and gets its energy event
+    (``error``), then the connection closes: no 500 in place of the started stream."""
+    base, meter, _metrics = server
+    headers, body = _get(f"{base}/events")
+    assert "x-energy-joules" not in headers
+    assert body.startswith(b"data: a\n\ndata: b\n\nevent: energy\n")
+    payload = _sse_payload(body)
+    r = meter.settled(headers["x-energy-request-id"])
+    assert r is not None and payload["energy_j"] == r.energy_j > 0
+    assert payload["finish_reason"] == r.finish_reason == "completed"
+    with urllib.request.urlopen(f"{base}/events?fail=1", timeout=30) as response:
+        assert response.status == 200
+        rid = response.headers["x-energy-request-id"]
+        with pytest.raises(http.client.IncompleteRead) as got:
+            response.read()
+    partial = got.value.partial
+    assert partial.startswith(b"data: a\n\nevent: energy\n")
+    payload = _sse_payload(partial)
+    r = meter.settled(rid)
+    assert r is not None and payload["energy_j"] == r.energy_j > 0
+    assert payload["finish_reason"] == r.finish_reason == "error"

@@ -8,9 +8,12 @@ idle and attributed energy per GPU (prometheus_client).
 
 Series (base units, as the rest of zeus_async's metrics):
 
-* ``zeus_request_energy_joules`` (histogram, label ``policy``): energy per request;
-* ``zeus_request_energy_per_output_token_joules`` (histogram): per generated token, for
-  requests that generated any;
+* ``zeus_request_energy_joules`` (histogram, labels ``policy``, ``route``, ``model``):
+  energy per request;
+* ``zeus_request_energy_per_output_token_joules`` (histogram, the same labels): per generated
+  token, for requests that generated any. ``route`` and ``model`` are those the server gives
+  (:meth:`RequestMeter.end`; the ASGI middleware gives the matched route's template), ``""``
+  when none, bounded as below;
 * ``zeus_request_gpu_energy_joules_total{gpu, kind}`` (counter): each GPU's settled energy,
   ``kind="requests"`` or ``"idle"``; their sum is the GPU's measured energy;
 * with a meter that has a carbon configuration, ``zeus_request_co2e_grams_total{route, model,
@@ -61,8 +64,8 @@ class RequestMetrics:
         meter: The meter to observe.
         registry: Where the series live (default: a registry of their own).
         buckets, per_token_buckets: Histogram buckets (J).
-        max_label_values: Distinct routes, and models, labelled in the CO2e and cost counters
-            (the rest: ``"other"``).
+        max_label_values: Distinct routes, and models, labelled in the histograms and the
+            CO2e and cost counters (the rest: ``"other"``).
     """
 
     def __init__(
@@ -80,14 +83,14 @@ class RequestMetrics:
         self.energy = Histogram(
             "zeus_request_energy_joules",
             "Energy attributed to each inference request",
-            ["policy"],
+            ["policy", "route", "model"],
             buckets=tuple(buckets),
             registry=self.registry,
         )
         self.per_token = Histogram(
             "zeus_request_energy_per_output_token_joules",
             "Energy attributed to each inference request per output token",
-            ["policy"],
+            ["policy", "route", "model"],
             buckets=tuple(per_token_buckets),
             registry=self.registry,
         )
@@ -144,21 +147,27 @@ class RequestMetrics:
     def observe(self, attribution: Attribution) -> None:
         """Take one settled interval (called by the meter)."""
         policy = attribution.policy
-        energy = self.energy.labels(policy)
-        per_token = self.per_token.labels(policy)
         finished = {reason: self.finished.labels(reason) for reason in FINISH_REASONS}
+        # (the children of the usual few label sets, looked up once per interval)
+        children: dict[tuple[str, str], tuple[Any, Any]] = {}
         for r in attribution.requests.values():
             counter = finished.get(r.finish_reason)
             if counter is not None:
                 counter.inc()
-            energy.observe(r.energy_j)
+            route = self._bounded("route", r.route)
+            model = self._bounded("model", r.model)
+            pair = children.get((route, model))
+            if pair is None:
+                pair = children[route, model] = (
+                    self.energy.labels(policy, route, model),
+                    self.per_token.labels(policy, route, model),
+                )
+            pair[0].observe(r.energy_j)
             if r.tokens_out:
-                per_token.observe(r.energy_j / r.tokens_out)
+                pair[1].observe(r.energy_j / r.tokens_out)
             fp = r.footprint
             if fp is None:
                 continue
-            route = self._bounded("route", r.route)
-            model = self._bounded("model", r.model)
             self.co2e.labels(route, model, self.source).inc(max(fp.co2e_g, 0.0))
             if fp.cost is not None and fp.currency:
                 self.cost.labels(route, model, self.source, fp.currency).inc(max(fp.cost, 0.0))
