@@ -2,7 +2,9 @@
 
 The agent binds a ROUTER socket (an ipc path in the private directory), each client connects
 a DEALER. A client's first message is :class:`Hello`; then window edges (:class:`Edge`),
-requests (:class:`Control`) and finally :class:`Bye`. The agent answers with :class:`Reply`.
+request edges of a serving process (:class:`RequestEdges`, batched), requests
+(:class:`Control`) and finally :class:`Bye`. The agent answers with :class:`Reply` (settled
+inference requests are pushed as ``requests`` replies).
 Not a public interface: both ends come from the same installed package.
 """
 
@@ -26,6 +28,10 @@ __all__ = [
     "Edge",
     "Hello",
     "Reply",
+    "RequestEdges",
+    "RequestResult",
+    "RequestStep",
+    "RequestTotals",
     "error_from_reply",
     "error_reply_fields",
 ]
@@ -95,6 +101,17 @@ class AgentConfig(msgspec.Struct, frozen=True):
     #: (``prometheus_port``, ``otlp``): its owner's ``Monitor(carbon=...)``. A node agent
     #: keeps none (its clients each have their own; it ignores one given, with a warning).
     carbon: CarbonConfig | None = None
+    #: The node's request attributor (made at the first request edges of a client's
+    #: :class:`~zeus_async.inference.remote.RemoteMeter`): how a GPU's energy is split among
+    #: the requests in flight (``equal``, ``tokens``, ``steps``), a request's maximum age
+    #: (settled ``unfinished`` past it), how late edges may come (the clients' batching,
+    #: ``RequestMeter(max_edge_delay_s=...)``), how often it settles (seconds), and the
+    #: requests in flight at most.
+    requests_policy: str = "equal"
+    requests_max_age_s: float = 600.0
+    requests_edge_delay_s: float = 1.0
+    requests_settle_s: float = 0.5
+    requests_max_open: int = 100_000
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True):
@@ -131,8 +148,99 @@ class Bye(msgspec.Struct, tag="stop", array_like=True):
 
 
 ControlOp = Literal[
-    "set_power_limit", "set_sm_clocks", "publish", "release", "job_start", "job_end", "jobs"
+    "set_power_limit",
+    "set_sm_clocks",
+    "publish",
+    "release",
+    "job_start",
+    "job_end",
+    "jobs",
+    "requests",
 ]
+
+
+class RequestStep(msgspec.Struct, array_like=True):
+    """One engine step of a :class:`RequestEdges` batch (``RequestMeter.step``): its
+    requests (the client's ids) with their prefill and decode tokens and context length."""
+
+    start_ns: int
+    end_ns: int
+    #: The client's GPU indices that ran it (``None``: those of its requests).
+    gpus: list[int] | None
+    ids: list[str]
+    prefill: list[int]
+    decode: list[int]
+    context: list[int]
+
+
+class RequestEdges(msgspec.Struct, tag="requests", array_like=True):
+    """Client to agent: a batch of a :class:`~zeus_async.inference.remote.RemoteMeter`'s
+    request edges, in columns (one row per edge, in the order they were made).
+
+    ``kind``: 0 begin, 1 phase, 2 end, 3 abort, 4 discard (not metered after all). ``id``:
+    the client's request id (the agent prefixes it with the client's name). ``gpus``: a
+    begin's GPUs (the client's indices, ``CUDA_VISIBLE_DEVICES`` applies), else empty.
+    ``text``: a phase's name, an abort's reason. A token count of -1 stands for one that was
+    not a non-negative integer (counted as bad input by the agent's meter).
+    """
+
+    kind: list[int]
+    id: list[str]
+    t_ns: list[int]
+    gpus: list[list[int]]
+    tokens_in: list[int]
+    tokens_out: list[int]
+    text: list[str]
+    route: list[str]
+    model: list[str]
+    steps: list[RequestStep] = []
+
+
+class RequestResult(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Agent to client: one settled request (``RequestEnergy`` on the wire), with the
+    client's request id and GPU indices."""
+
+    request_id: str
+    energy_j: float
+    gpu_energy_j: dict[int, float]
+    prefill_j: float | None
+    decode_j: float | None
+    tokens_in: float
+    tokens_out: float
+    time_s: float
+    method: str
+    begin_ns: int
+    end_ns: int
+    decode_ns: int | None = None
+    route: str = ""
+    model: str = ""
+    finish_reason: str = "completed"
+    error_j: float = 0.0
+
+
+class RequestTotals(msgspec.Struct, omit_defaults=True):
+    """The node's request attributor as a ``requests`` control reply has it: per GPU (the
+    agent's indices) over everything settled, the measured energy and where it went; the
+    agent's own counts (``MeterTotals``) and backlog (``MeterState``)."""
+
+    active: bool = False
+    policy: str = ""
+    energy_j: dict[int, float] = {}
+    requests_j: dict[int, float] = {}
+    idle_j: dict[int, float] = {}
+    requests: int = 0
+    dropped_edges: int = 0
+    bad_input: dict[str, int] = {}
+    finished: dict[str, int] = {}
+    in_flight: int = 0
+    unsettled: int = 0
+    settled_ns: int | None = None
+    #: Requests of clients that left (or died) aborted as ``cancelled`` by the agent.
+    orphaned: int = 0
+    #: Results sent back to their clients.
+    returned: int = 0
+    #: ``request`` / ``request_idle`` events not published (too many waited for the hub).
+    unpublished: int = 0
 
 
 class JobSpec(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -176,7 +284,8 @@ class Control(msgspec.Struct, tag="control", array_like=True):
     (``mhz`` on ``gpus``; ``None`` resets), ``release`` (put back what this client changed on
     ``gpus``; ``setting`` narrows it), ``publish`` (``event`` published on the agent's hub),
     ``job_start`` / ``job_end`` (a Slurm prolog announces ``job``, its epilog ends it and gets
-    its energy back) or ``jobs`` (every workload the agent knows, with its energy).
+    its energy back), ``jobs`` (every workload the agent knows, with its energy) or
+    ``requests`` (the node's request attributor's totals: :attr:`Reply.requests_totals`).
     """
 
     seq: int
@@ -194,7 +303,7 @@ class Control(msgspec.Struct, tag="control", array_like=True):
 class Reply(msgspec.Struct, omit_defaults=True):
     """Agent to client."""
 
-    kind: Literal["ready", "measurement", "error", "control", "bye"]
+    kind: Literal["ready", "measurement", "error", "control", "bye", "requests"]
     gpus: list[int] = []
     cpus: list[int] = []
     backend: str = ""
@@ -223,6 +332,14 @@ class Reply(msgspec.Struct, omit_defaults=True):
     #: window's start, its cuts and its end, the joules of every device it measures and of
     #: its GPUs only.
     pieces: list[tuple[float, float]] = []
+    #: ``requests`` replies (pushed, unasked): requests of this client the node's attributor
+    #: settled over ``[start_ns, end_ns]`` of ``policy``.
+    requests: list[RequestResult] = []
+    start_ns: int = 0
+    end_ns: int = 0
+    policy: str = ""
+    #: ``control`` replies to ``requests``.
+    requests_totals: RequestTotals | None = None
 
 
 _BUILTIN_ERRORS: dict[str, type[Exception]] = {

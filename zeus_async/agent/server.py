@@ -60,8 +60,10 @@ from .protocol import (
     Hello,
     JobReport,
     Reply,
+    RequestEdges,
     error_reply_fields,
 )
+from .requests import NodeRequests
 from .workloads import UNKNOWN, WorkloadResolver
 
 __all__ = ["EXIT_AGENT_RUNNING", "NODE_LOCK", "NODE_SOCKET", "node_agent_running", "run_agent"]
@@ -240,6 +242,8 @@ class Agent:
         board = tracker.board if tracker is not None else None
         #: The power board's file, which clients map for provisional window figures.
         self.board = str(board.path) if board is not None and board.path is not None else None
+        #: The node's request attributor (:mod:`.requests`): made at the first request edges.
+        self.requests = NodeRequests(cfg, rt, self.send, self.clients)
 
     def send(self, ident: bytes, reply: Reply) -> None:
         try:
@@ -442,6 +446,7 @@ class Agent:
             logger.warning(
                 "client %s died; restored %d setting(s) it had changed", client.label, len(released)
             )
+        self.requests.left(client)
         del self.clients[ident]
         client.watch.close()
         if not dead:
@@ -461,6 +466,10 @@ class Agent:
                 self.send(ident, Reply(kind="control", seq=msg.seq, **error_reply_fields(exc)))  # type: ignore[arg-type]
             else:
                 self.send(ident, Reply(kind="control", seq=msg.seq, jobs=jobs))
+            return
+        if msg.op == "requests":
+            totals = self.requests.totals()
+            self.send(ident, Reply(kind="control", seq=msg.seq, requests_totals=totals))
             return
         try:
             gpus = client.to_agent(msg.gpus)
@@ -709,7 +718,7 @@ async def run_agent(
     # A client that connects with the routing id of another must not take its connection over
     # (and act as it): refused on a system agent, whose clients are other users.
     router.setsockopt(zmq.ROUTER_HANDOVER, 0 if system is not None else 1)
-    dec = msgspec.msgpack.Decoder(Hello | Edge | Bye | Control)
+    dec = msgspec.msgpack.Decoder(Hello | Edge | Bye | Control | RequestEdges)
     sim_config: Any = (
         msgspec.json.decode(cfg.sim_config, type=SimConfig) if cfg.sim_config else None
     )
@@ -866,6 +875,7 @@ async def _run_runtime(
                 tg.start_soon(_signals, agent)
                 tg.start_soon(agent.watch)
                 tg.start_soon(_serve, agent, dec)
+                tg.start_soon(agent.requests.run)
                 if ledger is not None:
                     tg.start_soon(ledger.run, rt.publish)
                 await agent.stopping.wait()
@@ -985,6 +995,10 @@ async def _serve(agent: Agent, dec: msgspec.msgpack.Decoder[Any]) -> None:
                 continue
             if isinstance(msg, Edge):
                 agent.edge(ident, msg)
+            elif isinstance(msg, RequestEdges):
+                client = agent.clients.get(ident)
+                if client is not None:
+                    agent.requests.edges(client, msg)
             elif isinstance(msg, Control):
                 jobs = msg.op in ("job_start", "job_end", "jobs")
                 await (jobs_in if jobs else controls_in).send((ident, msg))

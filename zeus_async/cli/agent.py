@@ -114,6 +114,23 @@ def add_parsers(sub: Any) -> None:
         metavar="S",
         help="how long an ended workload's figures stay exported (default 300 s)",
     )
+    req = agt.add_argument_group(
+        "inference requests (docs/requests.md, Across processes)",
+        "The node's request attributor, for serving processes' RemoteMeters.",
+    )
+    req.add_argument(
+        "--requests-policy",
+        choices=("equal", "tokens", "steps"),
+        default="equal",
+        help="how a GPU's energy is split among the requests in flight (default equal)",
+    )
+    req.add_argument(
+        "--requests-max-age",
+        type=positive_float,
+        default=600.0,
+        metavar="S",
+        help="a request in flight longer is settled as unfinished (default 600 s)",
+    )
     procs = agt.add_argument_group(
         "processes (docs/workloads.md)",
         "Per-process CPU, memory and attributed CPU/DRAM/GPU power, each process's figures "
@@ -210,6 +227,8 @@ def _agent(args: argparse.Namespace, out: TextIO) -> int:
             workloads=not args.no_workloads,
             k8s_socket=args.k8s_socket,
             workload_expire_s=args.workload_expire,
+            requests_policy=args.requests_policy,
+            requests_max_age_s=args.requests_max_age,
             processes=_processes.tracking_from_args(args, None),
             **system,
         )
