@@ -13,7 +13,18 @@ with 10,000 requests/s, and accuracy against a simulated ground truth.
    request's own work. Per-request error against the request's own energy plus its
    equal share of the idle power while in flight, for the token and the equal policies.
 
-Run: ``.venv/bin/python bench/inference/bench_requests.py [--seconds 10]``
+4. **Accuracy per workload** (:mod:`engine_sim`): a simulated inference engine with continuous
+   batching drives a simulated H100; per workload (one at a time, tokens unrelated to power,
+   batching with decode cost growing with context, queueing with ``begin`` at arrival and at
+   scheduling, tensor parallel, two engine processes on one GPU) and policy (``equal``,
+   ``tokens``, ``steps`` with its default weight and with a user-supplied one), the mean and
+   p95 per-request error against the truth (each request's own load's energy plus an equal
+   share of the idle power while it runs), the ML.ENERGY-style total / requests, and how often
+   the truth and the policy on exact energies lie within ``error_j``; for two models of the
+   device (decode bound by the KV cache's reads, or by compute).
+
+Run: ``.venv/bin/python bench/inference/bench_requests.py [--seconds 10] [--requests 1000]
+[--workloads all] [--devices memory_bound,compute_bound]``
 """
 
 from __future__ import annotations
@@ -25,6 +36,8 @@ import random
 import statistics
 import time
 import tracemalloc
+
+import engine_sim
 
 from zeus_async.events import GpuSample
 from zeus_async.inference import RequestMeter, RequestSpan, attribute
@@ -281,10 +294,135 @@ def accuracy_sim(
     return out
 
 
+#: The meters run on every workload: label, policy, and (``steps``) the weight.
+def workload_policies(device: engine_sim.DeviceModel) -> list[engine_sim.Policy]:
+    return [
+        engine_sim.Policy("equal", "equal"),
+        engine_sim.Policy("tokens", "tokens"),
+        engine_sim.Policy("steps", "steps"),
+        engine_sim.Policy("steps, user weight", "steps", engine_sim.fitted_weight(device)),
+    ]
+
+
+def accuracy_workloads(
+    workloads: list[str], device: str, requests: int, seed: int = 1
+) -> list[tuple[str, dict[str, engine_sim.Measured], tuple[float, float]]]:
+    """Per workload: each policy's figures and the ML.ENERGY-style baseline's (mean, p95)."""
+    rows = []
+    for name in workloads:
+        trace = engine_sim.simulate(name, device, requests, seed)
+        got = engine_sim.measure(trace, workload_policies(trace.device))
+        rows.append((name, got, engine_sim.baseline(trace, got["equal"].measured_j)))
+    return rows
+
+
+def _pct(x: float | None) -> str:
+    return "   -" if x is None else f"{x * 100:4.0f}"
+
+
+def print_workloads(
+    device: str,
+    requests: int,
+    rows: list[tuple[str, dict[str, engine_sim.Measured], tuple[float, float]]],
+) -> None:
+    labels = list(rows[0][1]) if rows else []
+    col = 23  # column width
+    print(
+        f"accuracy per workload, device model {device} ({requests} requests each): "
+        "per-request error against the truth, mean / p95 (%)"
+    )
+    print(
+        "  (truth: each request's own load's energy, plus an equal share of the idle power "
+        "while it runs, scheduled to finished; the meters see NVML's readings and the "
+        "engine's edges only)"
+    )
+    head = (
+        f"  {'workload':<20}"
+        + "".join(f"{lab:>{col}}" for lab in labels)
+        + f"{'total/requests':>{col}}"
+    )
+    print(head)
+    for name, got, (b_mean, b_p95) in rows:
+        cells = "".join(
+            f"{got[lab].mean * 100:>{col - 8}.1f} /{got[lab].p95 * 100:>6.1f}" for lab in labels
+        )
+        print(f"  {name:<20}{cells}{b_mean * 100:>{col - 8}.1f} /{b_p95 * 100:>6.1f}")
+    print(
+        "  the same policies on the simulator's exact energies (the policy's model alone), "
+        "mean / p95 (%)"
+    )
+    for name, got, _ in rows:
+        cells = "".join(
+            f"{got[lab].exact_mean * 100:>{col - 8}.1f} /{got[lab].exact_p95 * 100:>6.1f}"
+            for lab in labels
+        )
+        print(f"  {name:<20}{cells}")
+    print(
+        "  share of requests (%) whose error lies within error_j: against the truth | against "
+        "the policy on exact energies (what error_j bounds: measurement only)"
+    )
+    for name, got, _ in rows:
+        cells = "".join(
+            f"{_pct(got[lab].within_bound):>{col - 8}} |{_pct(got[lab].bound_holds):>6}"
+            for lab in labels
+        )
+        print(f"  {name:<20}{cells}")
+    steps_labels = [lab for lab in labels if rows[0][1][lab].idle_equal is not None]
+    print(
+        "  steps on exact energies with the idle power split equally, the power above it by "
+        "the weights (a policy that knows the GPU's idle power); and with the weights per "
+        "second of the step, mean / p95 (%)"
+    )
+    print(
+        f"  {'workload':<20}" + "".join(f"{lab:>{col}}{lab + ' /s':>{col}}" for lab in steps_labels)
+    )
+    for name, got, _ in rows:
+        cells = ""
+        for lab in steps_labels:
+            for fig in (got[lab].idle_equal, got[lab].idle_equal_per_s):
+                assert fig is not None
+                cells += f"{fig[0] * 100:>{col - 8}.1f} /{fig[1] * 100:>6.1f}"
+        print(f"  {name:<20}{cells}")
+    imbalance = max((m.imbalance_j for _, got, _ in rows for m in got.values()), default=0.0)
+    print(f"  conservation: requests + idle - measured, worst GPU of any run: {imbalance:.1e} J")
+    by = {name: got for name, got, _ in rows}
+    if "batching" in by:
+        steps = by["batching"]["steps"].mean * 100
+        verdict = "met" if steps <= 10.0 else f"MISSED by {steps - 10.0:.1f} points"
+        print(f"  target: steps <= 10 % mean on batching: {steps:.1f} %, {verdict}")
+    worse = [n for n, got in by.items() if got["steps"].mean > got["equal"].mean]
+    print(
+        "  target: steps never worse than equal: "
+        + ("met on every workload" if not worse else "MISSED on " + ", ".join(worse))
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument(
+        "--workloads",
+        default="all",
+        help="comma-separated workloads of the per-workload table, 'all', or 'none' "
+        f"(of {', '.join(engine_sim.WORKLOADS)})",
+    )
+    parser.add_argument("--requests", type=int, default=1000, help="requests per workload")
+    parser.add_argument(
+        "--devices",
+        default=",".join(engine_sim.DEVICES),
+        help=f"device models for the per-workload table (of {', '.join(engine_sim.DEVICES)})",
+    )
     args = parser.parse_args()
+    if args.workloads == "all":
+        workloads = list(engine_sim.WORKLOADS)
+    elif args.workloads == "none":
+        workloads = []
+    else:
+        workloads = args.workloads.split(",")
+    unknown = [w for w in workloads if w not in engine_sim.WORKLOADS]
+    unknown += [d for d in args.devices.split(",") if d not in engine_sim.DEVICES]
+    if unknown:
+        parser.error(f"unknown workload or device: {', '.join(unknown)}")
     us = cost_per_request()
     print(f"{'meter cost per request (begin + phase + end)':<52}{us:>9.2f} us   target <= 5 us")
     per_s, _ = sustained(args.seconds)
@@ -317,6 +455,9 @@ def main() -> None:
         f"(median {exact['tokens_median']:.2f} %: the sensors' and estimator's part)"
     )
     print(f"{'  mean request energy':<52}{sim['mean_j']:>9.2f} J")
+    for device in args.devices.split(",") if workloads else []:
+        rows = accuracy_workloads(workloads, device, args.requests)
+        print_workloads(device, args.requests, rows)
 
 
 if __name__ == "__main__":
