@@ -6,10 +6,13 @@ generator sends at random: each has a prompt (prefill) and generates tokens one 
 engines do, and drives the simulated GPU's load with the batch: busy while a step computes, in
 proportion to the tokens it processes, idle between steps.
 
-Two request meters (equal shares, and token-weighted within each phase) read the same GPU
-readings and the same request edges; at the end the script prints, per request, its energy,
-prefill and decode energy and J per output token under both, then per GPU the measured energy
-and where it went (requests + idle = measured).
+Three request meters read the same GPU readings and the same request edges: equal shares,
+token-weighted within each phase, and ``steps``, which the server also tells what each forward
+pass computed (``meter.step``: the requests in the batch, their prefill and decode tokens and
+context), so each pass's energy goes to the requests in it by their work. At the end the script
+prints, per request, its energy under each, prefill and decode energy and J per output token
+(token meter), then per GPU the measured energy and where it went (requests + idle =
+measured).
 
     python examples/inference_server.py [--seconds 5] [--rate 20] [--record run.zarc]
 
@@ -31,7 +34,7 @@ import torch
 
 from zeus_async.devices.sim import SimConfig
 from zeus_async.devices.sim_workload import ConstantWorkload
-from zeus_async.inference import RequestEnergy, RequestMeter
+from zeus_async.inference import RequestEnergy, RequestMeter, StepEntry
 from zeus_async.runtime import Runtime
 from zeus_async.testing import sim_pynvml
 
@@ -102,7 +105,11 @@ async def serve(
                 m.begin(req.request_id, gpus=(0,))
             active.append(req)
             # Prefill the prompt (a forward over all of it) before it joins the decode batch.
+            t0 = time.time_ns()
             await step(gpu, model, [req.prompt], load=min(1.0, 0.2 + len(req.prompt) / 200))
+            batch = [StepEntry(req.request_id, prefill_tokens=len(req.prompt))]
+            for m in meters:  # what the pass computed (only the steps policy uses it)
+                m.step(batch, start_ns=t0, end_ns=time.time_ns(), gpus=(0,))
             req.generated.append(0)
             for m in meters:
                 m.phase(req.request_id)
@@ -112,7 +119,14 @@ async def serve(
         # One decode step for the whole batch (over each sequence's last tokens only: a toy
         # model's stand-in for the KV cache that spares real engines the whole sequence).
         recent = [(r.prompt + r.generated)[-CONTEXT:] for r in active]
+        t0 = time.time_ns()
         await step(gpu, model, recent, load=0.1 * len(active))
+        batch = [
+            StepEntry(r.request_id, decode_tokens=1, context_len=len(r.prompt) + len(r.generated))
+            for r in active
+        ]
+        for m in meters:
+            m.step(batch, start_ns=t0, end_ns=time.time_ns(), gpus=(0,))
         for r in list(active):
             r.generated.append(random.randrange(256))
             if len(r.generated) >= r.max_new:
@@ -172,6 +186,7 @@ async def main_async(
     meters = [
         RequestMeter("equal", gpus=[0], lag_s=0.05),
         RequestMeter("tokens", gpus=[0], lag_s=0.05),
+        RequestMeter("steps", gpus=[0], lag_s=0.05),
     ]
 
     async def feed(stream: anyio.abc.ObjectReceiveStream[object]) -> None:
@@ -204,17 +219,17 @@ async def main_async(
 
 
 def report(meters: list[RequestMeter], shown: int = 12) -> None:
-    equal, tokens = ({r.request_id: r for r in m.results()} for m in meters)
+    equal, tokens, steps = ({r.request_id: r for r in m.results()} for m in meters)
     print(
-        f"{'request':<10}{'in':>5}{'out':>5}{'time s':>8}"
-        f"{'J (equal)':>11}{'J (tokens)':>12}{'prefill J':>11}{'decode J':>10}{'J/token':>9}"
+        f"{'request':<10}{'in':>5}{'out':>5}{'time s':>8}{'J (equal)':>11}{'J (tokens)':>12}"
+        f"{'J (steps)':>11}{'prefill J':>11}{'decode J':>10}{'J/token':>9}"
     )
     for rid in list(tokens)[:shown]:
-        t, e = tokens[rid], equal[rid]
+        t, e, st = tokens[rid], equal[rid], steps[rid]
         print(
             f"{rid:<10}{t.tokens_in:>5}{t.tokens_out:>5}{t.time_s:>8.3f}{e.energy_j:>11.3f}"
-            f"{t.energy_j:>12.3f}{t.prefill_j or 0:>11.3f}{t.decode_j or 0:>10.3f}"
-            f"{t.j_per_output_token or math.nan:>9.3f}"
+            f"{t.energy_j:>12.3f}{st.energy_j:>11.3f}{t.prefill_j or 0:>11.3f}"
+            f"{t.decode_j or 0:>10.3f}{t.j_per_output_token or math.nan:>9.3f}"
         )
     if len(tokens) > shown:
         print(f"... and {len(tokens) - shown} more")

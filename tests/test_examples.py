@@ -100,7 +100,7 @@ def test_inference_server_example(tmp_path: Path) -> None:
     assert out.startswith("served ") and "requests on one simulated GPU" in out
     header = out.splitlines()[1].split()
     assert header[:4] == ["request", "in", "out", "time"]
-    for policy in ("equal", "tokens"):
+    for policy in ("equal", "tokens", "steps"):
         line = next(x for x in out.splitlines() if x.strip().startswith(f"{policy}: gpu:0"))
         off = float(line.split("off by ")[1].split(" J")[0])
         assert abs(off) < 1e-6, line  # requests + idle = measured
