@@ -26,6 +26,7 @@ from zeus_async.testing.procs import run_cli, sim_env, start_node_agent_ready
 
 CONFIG = SimConfig(num_gpus=2, seed=9, workload=RandomWorkload(seg_min_s=0.2, seg_max_s=1.5))
 GAP_S = 30.0
+SCRAPES = 4  # samples of each job's series on each side of the gap (2 s at 0.5 s)
 
 
 def _prometheus() -> str:
@@ -138,14 +139,38 @@ def test_prometheus_sums_jobs_across_nodes_an_agent_restart_and_a_scrape_gap(
         while len(query("up == 1")) < 3:
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
+
+        jobs = {(n.name, "41") for n in nodes} | {("node2", "42")}
+
+        def scraped(since: float) -> None:
+            """Until Prometheus holds ``SCRAPES`` samples, taken after ``since`` (wall clock,
+            s), of each job's series on each node (polled, not a fixed wait: on a loaded
+            machine scrapes can come late)."""
+            deadline = time.monotonic() + 60
+            while True:
+                window = max(1, int(time.time() - since))
+                counts = {
+                    (r["metric"]["host"], r["metric"]["job_id"]): float(r["value"][1])
+                    for r in query(
+                        f"count_over_time(zeus_workload_gpu_energy_joules_total[{window}s])"
+                        " and zeus_workload_gpu_energy_joules_total > 0"
+                    )
+                }
+                if all(counts.get(key, 0.0) >= SCRAPES for key in jobs):
+                    return
+                assert time.monotonic() < deadline, (counts, log.read_text()[-3000:])
+                time.sleep(0.2)
+
+        started = time.time()
         for n in nodes:
             n.job("start", "--job", "41", "--gpus", "0", "--user", "root")
         nodes[2].job("start", "--job", "42", "--gpus", "1", "--user", "root")
-        time.sleep(4.0)
+        scraped(started)  # every job's series, on every node, before the gap
         nodes[1].kill()  # no goodbye: its ledger on disk is what is left
         time.sleep(GAP_S)  # no scrape of node1 for 30 s; its job goes on
+        restarted = time.time()
         nodes[1].start()
-        time.sleep(4.0)
+        scraped(restarted)  # node1's series again, after the gap, and the others
         ended = {(n.name, "41"): n.job("end", "--job", "41", "--json") for n in nodes}
         ended[("node2", "42")] = nodes[2].job("end", "--job", "42", "--json")
         # Scraped until Prometheus holds each node's final figure (on a loaded machine a

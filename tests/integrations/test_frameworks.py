@@ -4,10 +4,14 @@ processes, torch CPU over gloo), with the power-limit optimizer's callbacks besi
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +46,65 @@ def _run(framework: str, *options: str, world_size: int = 1) -> list[dict[str, A
     return [json.loads(out.strip().splitlines()[-1]) for out in outs]
 
 
+#: The single-rank jobs, by the test that reads each one's output.
+SINGLE = {
+    "test_hf_logs_carry_energy_for_every_integration": ("hf",),
+    "test_lightning_logged_metrics_carry_energy": ("lightning",),
+    "test_hf_logs_carry_co2e_and_cost_beside_the_energy": ("hf", "carbon"),
+    "test_lightning_logged_metrics_carry_co2e_and_cost": ("lightning", "carbon"),
+}
+
+
+@pytest.fixture(scope="module")
+def single(request: pytest.FixtureRequest) -> Iterator[Callable[..., dict[str, Any]]]:
+    """``single(framework, *options)``: that job's output, run alone (one rank).
+
+    The jobs of every selected test of this module start together when the first is needed:
+    each is its own process with its own private directory (``ZEUS_ASYNC_DIR``), so they
+    share nothing, and the interpreter starts and framework imports that are most of each
+    job's time overlap instead of queueing."""
+    selected = {
+        item.name
+        for item in request.session.items
+        if isinstance(item, pytest.Function) and item.module is request.module
+    }
+    outputs = Path(tempfile.mkdtemp(prefix="zf-"))  # files, not pipes: nobody reads them yet
+    jobs: dict[tuple[str, ...], tuple[subprocess.Popen[bytes], str, Path]] = {}
+    for name, args in SINGLE.items():
+        if name in selected and importlib.util.find_spec(MODULES[args[0]]) is not None:
+            private = tempfile.mkdtemp(prefix="za-")
+            env = sim_env(SimConfig(), ZEUS_ASYNC_DIR=private)
+            base = outputs / "-".join(args)
+            with open(f"{base}.out", "wb") as out, open(f"{base}.err", "wb") as err:
+                proc = subprocess.Popen(
+                    [sys.executable, str(JOB), *args], env=env, stdout=out, stderr=err
+                )
+            jobs[args] = (proc, private, base)
+
+    def output(*args: str) -> dict[str, Any]:
+        _need(args[0])
+        proc, _, base = jobs[args]
+        proc.wait(timeout=120)
+        assert proc.returncode == 0, Path(f"{base}.err").read_text()
+        return dict(json.loads(Path(f"{base}.out").read_text().strip().splitlines()[-1]))
+
+    yield output
+    for proc, private, _ in jobs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        shutil.rmtree(private, ignore_errors=True)
+    shutil.rmtree(outputs, ignore_errors=True)
+
+
 def _energy_logs(history: list[dict[str, Any]]) -> list[dict[str, float]]:
     return [{k: v for k, v in e.items() if "gpu_" in k} for e in history]
 
 
-def test_hf_logs_carry_energy_for_every_integration() -> None:
-    (out,) = _run("hf")
+def test_hf_logs_carry_energy_for_every_integration(
+    single: Callable[..., dict[str, Any]],
+) -> None:
+    out = single("hf")
     steps = [e for e in out["history"] if "loss" in e]
     assert [e["step"] for e in steps] == [4, 8, 12, 16, 20, 24]
     total = 0.0
@@ -65,8 +122,8 @@ def test_hf_logs_carry_energy_for_every_integration() -> None:
     assert not any("co2e" in k or "cost" in k for e in out["history"] for k in e)
 
 
-def test_lightning_logged_metrics_carry_energy() -> None:
-    (out,) = _run("lightning")
+def test_lightning_logged_metrics_carry_energy(single: Callable[..., dict[str, Any]]) -> None:
+    out = single("lightning")
     logged, final = out["history"]
     assert logged["gpu_power_w"] == pytest.approx(4 * IDLE_W, rel=0.02)
     assert 0 < logged["gpu_energy_j"] < logged["gpu_energy_total_j"]
@@ -96,12 +153,14 @@ def _check_emissions(csv_text: str, train_j: float) -> None:
     assert float(row["emissions_rate"]) > 0
 
 
-def test_hf_logs_carry_co2e_and_cost_beside_the_energy() -> None:
+def test_hf_logs_carry_co2e_and_cost_beside_the_energy(
+    single: Callable[..., dict[str, Any]],
+) -> None:
     """The callback makes its monitor with a carbon configuration (constant 300 g/kWh at
     0.25 EUR/kWh, PUE 1.5): every interval's grams and cost are its GPU energy times them, and
     the run's ``emissions.csv`` (CodeCarbon's columns) is written, as ``report_to="codecarbon"``
     would."""
-    (out,) = _run("hf", "carbon")
+    out = single("hf", "carbon")
     steps = [e for e in out["history"] if "loss" in e]
     assert len(steps) == 6
     for e in steps:
@@ -115,8 +174,10 @@ def test_hf_logs_carry_co2e_and_cost_beside_the_energy() -> None:
     _check_emissions(out["emissions"], final["train_gpu_energy_j"])
 
 
-def test_lightning_logged_metrics_carry_co2e_and_cost() -> None:
-    (out,) = _run("lightning", "carbon")
+def test_lightning_logged_metrics_carry_co2e_and_cost(
+    single: Callable[..., dict[str, Any]],
+) -> None:
+    out = single("lightning", "carbon")
     logged, final = out["history"]
     assert logged["gpu_co2e_g"] == pytest.approx(_grams(logged["gpu_energy_j"]), rel=1e-3)
     assert logged["gpu_co2e_total_g"] == pytest.approx(

@@ -11,10 +11,14 @@ job's. ``lightning_launch_job.py`` prints each rank's figures.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,26 +41,67 @@ def _need(module: str) -> None:
         pytest.importorskip(module)
 
 
-def _launch(strategy: str) -> tuple[list[dict[str, Any]], str]:
-    _need("lightning")
-    proc = subprocess.run(
-        [sys.executable, str(JOB), strategy],
-        env=sim_env(CONFIG),
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    outs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return sorted(outs, key=lambda o: int(o["rank"])), proc.stderr
+STRATEGIES = ["ddp", "ddp_spawn"]
+#: What one launch left: its ranks' figures (rank order), its stderr, its private directory.
+Launched = tuple[list[dict[str, Any]], str, str]
+
+
+@pytest.fixture(scope="module")
+def launched(request: pytest.FixtureRequest) -> Iterator[Callable[[str], Launched]]:
+    """``launched(strategy)``: that launch, run to its end.
+
+    The launches of every selected strategy start together when the first is needed: each is
+    its own job with its own private directory (``ZEUS_ASYNC_DIR``: its agent, leases and
+    simulated node), so they share nothing, and the interpreter starts and Lightning imports
+    that are most of each launch's time overlap instead of queueing."""
+    selected = {
+        item.callspec.params["strategy"]
+        for item in request.session.items
+        if isinstance(item, pytest.Function)
+        and item.module is request.module
+        and hasattr(item, "callspec")
+    }
+    outputs = Path(tempfile.mkdtemp(prefix="zl-"))  # files, not pipes: nobody reads them yet
+    jobs: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+    if importlib.util.find_spec("lightning") is not None:
+        for strategy in (s for s in STRATEGIES if s in selected):
+            private = tempfile.mkdtemp(prefix="za-")
+            env = sim_env(CONFIG, ZEUS_ASYNC_DIR=private)
+            with (
+                open(outputs / f"{strategy}.out", "wb") as out,
+                open(outputs / f"{strategy}.err", "wb") as err,
+            ):
+                proc = subprocess.Popen(
+                    [sys.executable, str(JOB), strategy], env=env, stdout=out, stderr=err
+                )
+            jobs[strategy] = (proc, private)
+
+    def launch(strategy: str) -> Launched:
+        _need("lightning")
+        proc, private = jobs[strategy]
+        proc.wait(timeout=150)
+        stdout = (outputs / f"{strategy}.out").read_text()
+        stderr = (outputs / f"{strategy}.err").read_text()
+        assert proc.returncode == 0, stderr[-4000:]
+        outs = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        return sorted(outs, key=lambda o: int(o["rank"])), stderr, private
+
+    yield launch
+    for proc, private in jobs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        shutil.rmtree(private, ignore_errors=True)
+    shutil.rmtree(outputs, ignore_errors=True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_monitor_made_before_the_launcher_measures_and_caps_the_jobs_gpus_only(
-    strategy: str,
+    strategy: str, launched: Callable[[str], Launched], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    outs, stderr = _launch(strategy)
+    outs, stderr, private = launched(strategy)
+    monkeypatch.setenv("ZEUS_ASYNC_DIR", private)  # that job's simulated node, read below
     assert [(o["rank"], o["local_rank"]) for o in outs] == [(0, 0), (1, 1)]
     # The job's energy: each rank's GPU over its span, summed (the simulator's exact integral).
     node = SimNode(CONFIG, shared_state=False)

@@ -339,6 +339,12 @@ def _kill_once(
         proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+    _check_killed(path, per_frame, mode, reported)
+
+
+def _check_killed(path: Path, per_frame: int, mode: str, reported: int) -> None:
+    """The file of a writer killed after it reported ``reported`` complete frames: every
+    complete frame reads back intact, in order; a torn tail is the file's last bytes."""
     reader = RecordingReader(path)
     events = list(reader)
     report = reader.report

@@ -8,12 +8,18 @@ written so far is printed on its own line after each frame.
   tear it.
 * ``recorder``: the product's path — events published through a hub to the batched
   :class:`~zeus_async.store.Recorder` (aiofiles, zstd frames of ``EVENTS_PER_FRAME`` events).
+
+:func:`write` is the same writer in a process forked from a ``multiprocessing`` forkserver
+that has imported this module (no interpreter start per process), reporting each count on a
+pipe instead of stdout.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from multiprocessing.connection import Connection
 
 import anyio
 
@@ -27,7 +33,11 @@ def sample(i: int) -> GpuSample:
     return GpuSample(host="w", t_ns=i, gpu=0, power_w=float(i))
 
 
-def raw(path: str, per_frame: int) -> None:
+def _print(frames: int) -> None:
+    print(frames, flush=True)
+
+
+def raw(path: str, per_frame: int, report: Callable[[int], None] = _print) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.write(fd, encode_header(RecordingHeader(host="w", pid=os.getpid())))
     encoder = EventEncoder()
@@ -39,11 +49,11 @@ def raw(path: str, per_frame: int) -> None:
         third = len(data) // 3
         for part in (data[:third], data[third : 2 * third], data[2 * third :]):
             os.write(fd, part)
-        print(frames, flush=True)
+        report(frames)
     os.close(fd)
 
 
-async def recorder(path: str, per_frame: int) -> None:
+async def recorder(path: str, per_frame: int, report: Callable[[int], None] = _print) -> None:
     hub = Hub()
     header = RecordingHeader(host="w", pid=os.getpid(), compression="zstd")
     rec = Recorder(path, header=header, flush_events=per_frame, flush_interval_s=0.05)
@@ -55,9 +65,17 @@ async def recorder(path: str, per_frame: int) -> None:
             await hub.publish(sample(i))
             if rec.frames_written != reported:
                 reported = rec.frames_written
-                print(reported, flush=True)
+                report(reported)
             if i % 16 == 0:
                 await anyio.sleep(0)
+
+
+def write(path: str, per_frame: int, mode: str, reports: Connection) -> None:
+    """The writer of ``mode`` (``raw`` or ``rec``), each count sent on ``reports``."""
+    if mode == "raw":
+        raw(path, per_frame, reports.send)
+    else:
+        anyio.run(recorder, path, per_frame, reports.send)
 
 
 def main() -> None:
