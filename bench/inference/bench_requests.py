@@ -17,7 +17,8 @@ with 10,000 requests/s, and accuracy against a simulated ground truth.
    batching drives a simulated H100; per workload (one at a time, tokens unrelated to power,
    batching with decode cost growing with context, queueing with ``begin`` at arrival and at
    scheduling, tensor parallel, two engine processes on one GPU) and policy (``equal``,
-   ``tokens``, ``steps`` with its default weight and with a user-supplied one), the mean and
+   ``tokens``, ``steps`` with its default weight, with the weight the meter fits
+   (``step_weight="fit"``) and with a user-supplied one), the mean and
    p95 per-request error against the truth (each request's own load's energy plus an equal
    share of the idle power while it runs), the ML.ENERGY-style total / requests, and how often
    the truth and the policy on exact energies lie within ``error_j``; for two models of the
@@ -300,6 +301,7 @@ def workload_policies(device: engine_sim.DeviceModel) -> list[engine_sim.Policy]
         engine_sim.Policy("equal", "equal"),
         engine_sim.Policy("tokens", "tokens"),
         engine_sim.Policy("steps", "steps"),
+        engine_sim.Policy("steps, fitted weight", "steps", "fit"),
         engine_sim.Policy("steps, user weight", "steps", engine_sim.fitted_weight(device)),
     ]
 

@@ -38,6 +38,7 @@ batches a little late, as over the node agent's socket.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import math
 import random
@@ -438,7 +439,8 @@ class Policy:
 
     label: str
     policy: str
-    step_weight: Callable[[Any], float] | None = None
+    #: ``"fit"``: the meter's fitted weight (its default with ``steps``).
+    step_weight: Callable[[Any], float] | str | None = None
 
     @property
     def steps(self) -> bool:
@@ -570,6 +572,9 @@ def measure(
         inside = [abs(energy[rid] - truth[rid]) <= b for rid, b in bound.items() if b is not None]
         # (the same policy: steps with the base power the meter estimated, per GPU)
         bases = {g: m.base_power_w(g) for g in gpus} if p.steps else None
+        fit = m.step_weight_fit
+        if fit is not None:  # (on exact energies: the weight the meter fitted, at the end)
+            p = dataclasses.replace(p, step_weight=fit.weight)
         exact = exact_attribution(trace, p, per_second=True, base_w=bases)
         rel_x = [abs(exact[rid] - truth[rid]) / truth[rid] for rid in truth]
         held = [abs(energy[rid] - exact[rid]) <= b for rid, b in bound.items() if b is not None]
@@ -643,6 +648,7 @@ def exact_attribution(
         for r in trace.requests
     ]
     weight = p.step_weight or default_step_weight
+    assert callable(weight)
     steps = []
     for s in trace.steps:
         per = 1.0 if per_second else (s.end_ns - s.start_ns) / S

@@ -91,8 +91,9 @@ def test_settled_requests_and_idle_add_up_to_the_measured_energy() -> None:
 
 
 def test_a_request_in_flight_holds_the_horizon() -> None:
+    """With ``tokens`` (equal and steps settle past it: test_open_requests.py)."""
     clock = Clock()
-    meter = RequestMeter(gpus=[0], clock=clock, lag_s=0.0)
+    meter = RequestMeter("tokens", gpus=[0], clock=clock, lag_s=0.0)
     reference = DeviceHistory("gpu:0")
     feed(meter, reference, T0, T0 + 50 * MS)
     clock.now = T0 + 60 * MS

@@ -105,13 +105,15 @@ class AgentConfig(msgspec.Struct, frozen=True):
     #: :class:`~zeus_async.inference.remote.RemoteMeter`): how a GPU's energy is split among
     #: the requests in flight (``equal``, ``tokens``, ``steps``), a request's maximum age
     #: (settled ``unfinished`` past it), how late edges may come (the clients' batching,
-    #: ``RequestMeter(max_edge_delay_s=...)``), how often it settles (seconds), and the
-    #: requests in flight at most.
+    #: ``RequestMeter(max_edge_delay_s=...)``), how often it settles (seconds), the
+    #: requests in flight at most, and the ``steps`` policy's base power (W, every GPU's:
+    #: ``RequestMeter(step_base_w=...)``; ``None``: estimated per GPU from its idle power).
     requests_policy: str = "equal"
     requests_max_age_s: float = 600.0
     requests_edge_delay_s: float = 1.0
     requests_settle_s: float = 0.5
     requests_max_open: int = 100_000
+    requests_step_base_w: float | None = None
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True):

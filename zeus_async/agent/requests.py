@@ -123,6 +123,7 @@ class NodeRequests:
             max_age_s=cfg.requests_max_age_s,
             max_open=cfg.requests_max_open,
             max_edge_delay_s=cfg.requests_edge_delay_s,
+            step_base_w=cfg.requests_step_base_w,
             keep=1,
         )
         meter.publish_with(self._publish, host=self.rt.host)

@@ -22,6 +22,7 @@ from .common import (
     add_power_scope_arg,
     backend_arg,
     describe_error,
+    nonnegative_float,
     period,
     port_number,
     positive_float,
@@ -131,6 +132,22 @@ def add_parsers(sub: Any) -> None:
         metavar="S",
         help="a request in flight longer is settled as unfinished (default 600 s)",
     )
+    req.add_argument(
+        "--requests-edge-delay",
+        type=nonnegative_float,
+        default=1.0,
+        metavar="S",
+        help="how late a request edge may come from a client's batching: the attributor's "
+        "horizon stays that far behind now (default 1 s)",
+    )
+    req.add_argument(
+        "--requests-step-base",
+        type=nonnegative_float,
+        default=None,
+        metavar="W",
+        help="the steps policy's base power of every GPU, split equally among a step's "
+        "requests (default: estimated per GPU from its idle power; 0: all by the weights)",
+    )
     procs = agt.add_argument_group(
         "processes (docs/workloads.md)",
         "Per-process CPU, memory and attributed CPU/DRAM/GPU power, each process's figures "
@@ -229,6 +246,8 @@ def _agent(args: argparse.Namespace, out: TextIO) -> int:
             workload_expire_s=args.workload_expire,
             requests_policy=args.requests_policy,
             requests_max_age_s=args.requests_max_age,
+            requests_edge_delay_s=args.requests_edge_delay,
+            requests_step_base_w=args.requests_step_base,
             processes=_processes.tracking_from_args(args, None),
             **system,
         )

@@ -16,6 +16,7 @@ from .attribution import (
     default_step_weight,
 )
 from .clocks import ClockMap
+from .fit import StepWeightFit
 from .meter import MeterTotals, RequestMeter
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "RequestSpan",
     "StepEntry",
     "StepSpan",
+    "StepWeightFit",
     "attribute",
     "default_step_weight",
 ]

@@ -15,11 +15,16 @@ to a *horizon*: the latest instant before which every request has ended and the 
 in. Each settled interval is split by :func:`~.attribution.attribute`, so over everything
 settled, per GPU, the requests' energies plus idle equal the GPU's measured energy.
 
-A request still in flight holds the horizon at its begin (its token rates, which the
-``tokens`` policy needs, are known only at its end), so results come at most one request
-duration late, and memory holds the requests and readings of that stretch only. A request
-never ended holds it no longer than ``max_age_s``: past that age it is settled as
-``unfinished`` (its energy up to then), and an end that comes later is dropped and counted.
+With the ``equal`` and ``steps`` policies, a request's weights do not depend on its end
+(equal: 1; steps: its step entries, and an equal share between steps), so a request still in
+flight does not hold the horizon: each settle attributes its piece up to the horizon (a
+prefill piece until its decode mark, a decode piece after it), the rest later, and it is
+returned once, whole, when it ends; nothing waits for it. With ``tokens``, a request still
+in flight holds the horizon at its begin (its token rates are known only at its end), so
+results come at most one request duration late, and memory holds the requests and readings
+of that stretch only; a request never ended holds the others up to ``max_age_s``. Past that
+age a request is settled as ``unfinished`` (its energy up to then, whatever the policy), and
+an end that comes later is dropped and counted.
 
 Every result has a ``finish_reason``: ``completed`` (:meth:`RequestMeter.end`),
 ``cancelled`` or ``error`` (:meth:`RequestMeter.abort`), ``unfinished`` (past ``max_age_s``,
@@ -29,7 +34,8 @@ indices) never raises on the serving thread: it is counted in ``totals.bad_input
 and logged once per kind, then at most once a minute.
 
 Settling is bounded per call (``settle_batch`` requests: the horizon stops before the next
-request's begin once that many have been taken), and :meth:`RequestMeter.consume` runs it in
+request's begin once that many have been taken; with ``equal`` and ``steps``, a piece of each
+request in flight besides, ``max_open`` at most), and :meth:`RequestMeter.consume` runs it in
 a worker thread, one slice after another, so the event loop never waits for it;
 :meth:`RequestMeter.settle_soon` asks for a settle in the meter's own thread.
 
@@ -60,7 +66,7 @@ import threading
 import time
 from collections.abc import AsyncIterable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from .._threads import DaemonExecutor, run_sync
 from ..aggregate.footprints import Carbon, CarbonSpec, sum_footprints
@@ -79,6 +85,7 @@ from .attribution import (
     attribute,
     default_step_weight,
 )
+from .fit import StepWeightFit
 
 if TYPE_CHECKING:
     from ..carbon import Footprint
@@ -202,7 +209,8 @@ class RequestMeter:
             source or ``None``: with one, every settled request has a ``footprint``
             (``co2e_g``, ``cost``), see the module docstring.
         max_age_s: A request in flight longer than this is settled as ``unfinished``, with
-            the energy up to then (it holds the horizon no longer). Set it to the server's
+            the energy up to then (with ``tokens``, it holds the horizon no longer;
+            with ``equal`` and ``steps`` it never holds it). Set it to the server's
             request timeout or above.
         max_open: Requests in flight at most; beyond, the oldest is settled as
             ``unfinished`` (bounds memory whatever clients do).
@@ -214,8 +222,12 @@ class RequestMeter:
             any order. An edge stamped before what is settled is taken as stamped then and
             counted (``late``). 0 (the default): edges are stamped as they are given.
         step_weight: The ``steps`` policy's weight of a request in a step (a
-            :class:`~.attribution.StepEntry` -> float >= 0); default
-            :func:`~.attribution.default_step_weight` (tokens, weighted by context).
+            :class:`~.attribution.StepEntry` -> float >= 0), or ``"fit"``: learnt from
+            the GPU's measured energy and the steps' composition (:mod:`.fit`;
+            :attr:`step_weight_fit` has its coefficients; a
+            :class:`~.fit.StepWeightFit` of your own for other settings), with the default
+            until enough is measured; default: :func:`~.attribution.default_step_weight`
+            (tokens, weighted by context).
         step_base_w: The ``steps`` policy's base power (W): the power a GPU draws whatever
             a step computes (its idle power); in a step, that much (never more than the
             step's own power) is split equally among the step's requests and only the rest
@@ -242,7 +254,7 @@ class RequestMeter:
         settle_batch: int = 10_000,
         max_pending: int = 1_000_000,
         max_edge_delay_s: float = 0.0,
-        step_weight: Callable[[StepEntry], float] | None = None,
+        step_weight: Callable[[StepEntry], float] | Literal["fit"] | StepWeightFit | None = None,
         step_base_w: float | Mapping[int, float] | None = None,
     ) -> None:
         if policy not in POLICIES:
@@ -266,6 +278,17 @@ class RequestMeter:
         self._base_from_idle: set[int] = set()  # GPUs whose base power is their idle power
         self._watch_power = policy == "steps" and not isinstance(given, float)
         self._delay_ns = round(max_edge_delay_s * 1e9)
+        #: The fitted step weight (``step_weight="fit"``; ``None`` otherwise): its
+        #: ``coefficients``, ``None`` while the default weight is used.
+        self.step_weight_fit: StepWeightFit | None = None
+        if isinstance(step_weight, StepWeightFit):
+            self.step_weight_fit = step_weight
+            step_weight = step_weight.weight
+        elif step_weight == "fit":
+            self.step_weight_fit = StepWeightFit()
+            step_weight = self.step_weight_fit.weight
+        elif isinstance(step_weight, str):
+            raise ConfigError(f"step_weight must be a function or 'fit', not {step_weight!r}")
         self._step_weight = step_weight or default_step_weight
         #: Steps taken from the edges and not settled yet (policy ``steps`` only).
         self._steps: list[StepSpan] = []
@@ -740,6 +763,8 @@ class RequestMeter:
             gpus = self._gpus_of("", gpus)
         weights: list[tuple[str, float]] = []
         weigh = self._step_weight
+        fit = self.step_weight_fit
+        kept: list[StepEntry] = []
         try:
             entries = list(batch)
         except Exception:
@@ -762,10 +787,15 @@ class RequestMeter:
                 self._bad("step", rid, f"step weight {_show(w)} (taken as 0)")
                 continue
             weights.append((rid, w))
+            if fit is not None:
+                kept.append(entry)
         steps = self._steps
         if len(steps) >= self._max_pending:
             self._bad("overflow", "", "steps waiting for a settle")
             return
+        if fit is not None and kept:
+            on = gpus or {g for e in kept if e[0] in self._open for g in self._open[e[0]].gpus}
+            fit.add_step(start, end, on, kept)
         steps.append(StepSpan(start, end, gpus, tuple(weights)))
 
     def _close(
@@ -778,7 +808,8 @@ class RequestMeter:
     ) -> None:
         """Request ``rid`` (in flight) ends at ``t``: on to be settled."""
         del self._open[rid]
-        end = max(t, req.begin_ns)
+        # (a request in flight may be settled in part already, up to _settled_ns)
+        end = max(t, req.begin_ns, self._settled_ns or 0)
         decode = None if req.decode_ns is None else min(req.decode_ns, end)
         tin, tout, route, model = info or (0, 0, "", "")
         self._edges_of[rid] = (req.begin_ns, end, decode, tin, tout, route, model, reason)
@@ -803,7 +834,11 @@ class RequestMeter:
                 for st in self._steps
             ]
         if self._open.pop(rid, None) is not None:
-            return  # (its entry in _open_heap is stale now: skipped)
+            # (its entry in _open_heap is stale now: skipped; its pieces settled so far lose
+            # their result, not their energy)
+            self._partial.pop(rid, None)
+            self._partial_fp.pop(rid, None)
+            return
         if rid in self._edges_of:
             del self._edges_of[rid]
             self._partial.pop(rid, None)
@@ -849,8 +884,9 @@ class RequestMeter:
 
     def horizon_ns(self) -> int | None:
         """Up to when energy can be attributed now (``None``: nothing yet): no later than
-        the first request still in flight began (its token rates are not known yet), nor than
-        every GPU's readings cover, less ``lag_s``, nor than now less ``max_edge_delay_s``."""
+        every GPU's readings cover, less ``lag_s``, nor than now less ``max_edge_delay_s``,
+        and with the ``tokens`` policy, nor than the first request still in flight began (its
+        token rates are not known yet; ``equal`` and ``steps`` settle past it in pieces)."""
         with self._lock:
             self._drain_readings()
             return self._horizon(self._clock())
@@ -872,9 +908,10 @@ class RequestMeter:
         horizon = min(ends) - self._lag_ns
         if self._delay_ns:  # edges stamped up to the delay ago may still come
             horizon = min(horizon, now - self._delay_ns)
-        oldest = self._oldest_open()
-        if oldest is not None:
-            horizon = min(horizon, self._open[oldest].begin_ns)
+        if self.policy == "tokens":
+            oldest = self._oldest_open()
+            if oldest is not None:
+                horizon = min(horizon, self._open[oldest].begin_ns)
         return horizon
 
     def settle(self, max_requests: int | None = None) -> list[RequestEnergy]:
@@ -884,7 +921,8 @@ class RequestMeter:
 
         A request that ended after the horizon but began before it is attributed in two
         pieces: up to the horizon now, the rest at a later settle, at the same token rates
-        (its whole phases'); it is returned once, whole, when its last piece is settled."""
+        (its whole phases'); it is returned once, whole, when its last piece is settled. With
+        ``equal`` and ``steps``, so is a request still in flight (a piece up to each horizon)."""
         out, _ = self._settle_slice(max_requests)
         self._notify(out)
         return [] if out is None else list(out.requests.values())
@@ -975,6 +1013,20 @@ class RequestMeter:
                 now_spans.append(head)
                 heapq.heappush(done, (tail.begin_ns, next(self._seq), tail))
                 pending.add(span.request_id)
+        if self._open and self.policy != "tokens":
+            # Requests in flight (their weights do not depend on their end): each one's piece
+            # up to the horizon now, the rest at later settles; a prefill piece until its
+            # decode mark (_finish drops the phases of one that never marks it).
+            for rid, req in self._open.items():
+                b = req.begin_ns
+                if b >= horizon:
+                    continue
+                if b < start:
+                    b = start
+                d = req.decode_ns
+                d = horizon if d is None or d > horizon else (d if d > b else b)
+                now_spans.append(RequestSpan(rid, req.gpus, b, horizon, d))
+                pending.add(rid)
         now_steps: list[StepSpan] = []
         if self._steps:
             ids = {s.request_id for s in now_spans}
@@ -1053,6 +1105,12 @@ class RequestMeter:
             totals.requests_j[gpu] = totals.requests_j.get(gpu, 0.0) + g.requests_j
             totals.idle_j[gpu] = totals.idle_j.get(gpu, 0.0) + g.idle_j
             totals.idle_s[gpu] = totals.idle_s.get(gpu, 0.0) + g.idle_s
+        fit = self.step_weight_fit
+        if fit is not None:  # (the settled energy above base, against the steps' features)
+            for gpu, g in out.gpus.items():
+                measured = methods.get(gpu, "unavailable") != "unavailable"
+                energy = g.energy_j if measured else None
+                fit.update(gpu, start, horizon, energy, bases.get(gpu, 0.0))
         self._settled_ns = horizon
         for h in self._histories.values():
             # Readings well before the horizon: the counter's update grid is fitted to
@@ -1090,6 +1148,8 @@ class RequestMeter:
         rid = r.request_id
         begin, end, decode, tokens_in, tokens_out, route, model, reason = self._edges_of.pop(rid)
         r.begin_ns, r.end_ns, r.decode_ns = begin, end, decode
+        if decode is None:  # (its pieces settled in flight were prefill pieces)
+            r.prefill_j = r.decode_j = None
         r.tokens_in, r.tokens_out = tokens_in, tokens_out
         r.route, r.model = route, model
         r.time_s = (end - begin) / 1e9
