@@ -126,6 +126,10 @@ class Hello(msgspec.Struct, tag="hello", array_like=True):
     cuda_visible: str | None = None
     #: The GPUs (the client's indices) its windows measure; ``None``: every GPU it sees.
     gpus: list[int] | None = None
+    #: Names of other clients (as they named themselves, before the agent's ``#n``) whose
+    #: settled requests this client receives too (``RemoteMeter(follow=...)``): ``requests``
+    #: replies with :attr:`Reply.sender` set.
+    follow: list[str] = []
 
 
 class Edge(msgspec.Struct, tag="edge", array_like=True):
@@ -241,6 +245,8 @@ class RequestTotals(msgspec.Struct, omit_defaults=True):
     orphaned: int = 0
     #: Results sent back to their clients.
     returned: int = 0
+    #: Results sent to followers (``Hello.follow``) too.
+    followed: int = 0
     #: ``request`` / ``request_idle`` events not published (too many waited for the hub).
     unpublished: int = 0
 
@@ -335,8 +341,10 @@ class Reply(msgspec.Struct, omit_defaults=True):
     #: its GPUs only.
     pieces: list[tuple[float, float]] = []
     #: ``requests`` replies (pushed, unasked): requests of this client the node's attributor
-    #: settled over ``[start_ns, end_ns]`` of ``policy``.
+    #: settled over ``[start_ns, end_ns]`` of ``policy``; or, ``sender`` set, requests of the
+    #: client of that name this one follows (:attr:`Hello.follow`), with that client's ids.
     requests: list[RequestResult] = []
+    sender: str = ""
     start_ns: int = 0
     end_ns: int = 0
     policy: str = ""

@@ -17,6 +17,12 @@ it, whichever process served them: per GPU, requests plus idle equal the measure
 * Each settled request goes back to the client that sent it (a ``requests`` reply, with the
   client's id and GPU indices), and is published on the agent's hub (``request`` and
   ``request_idle`` events: the bus, the recording).
+* A client may *follow* others by name (``Hello.follow``: a vLLM front end follows its engine
+  core, ``vllm-core0``): each result of a client of that name (``name`` or the agent's
+  ``name#n``) goes to its followers too, with the sender's id, the name followed as
+  ``sender`` and the follower's GPU indices. Bounded: :data:`_MAX_FOLLOW` names per
+  follower, :data:`_MAX_FOLLOWERS` followers per name; a follower that does not read is
+  bounded by the socket's high-water mark (ZeroMQ drops what is beyond, never queues more).
 * A client that leaves or dies with requests in flight: those are aborted as ``cancelled``
   at that moment (counted in ``orphaned``), so they never hold the horizon.
 """
@@ -47,6 +53,10 @@ logger = logging.getLogger(__name__)
 _BEGIN, _PHASE, _END, _ABORT, _DISCARD = 0, 1, 2, 3, 4
 #: Request events waiting for the hub at most.
 _EVENTS_QUEUED = 100_000
+#: Names one client follows at most, followers of one name at most, a name's length at most.
+_MAX_FOLLOW = 16
+_MAX_FOLLOWERS = 64
+_MAX_NAME = 200
 
 
 class _ClientLike(Protocol):
@@ -76,8 +86,16 @@ class NodeRequests:
         self.rt = rt
         self.send = send
         self.meter: RequestMeter | None = None
-        #: Full id -> (client connection, client's id), until its result is sent back.
-        self._owner: collections.OrderedDict[str, tuple[bytes, str]] = collections.OrderedDict()
+        #: Full id -> (client connection, client's id, client's name as it asked), until its
+        #: result is sent back.
+        self._owner: collections.OrderedDict[str, tuple[bytes, str, str]] = (
+            collections.OrderedDict()
+        )
+        #: Per name followed: the connections of its followers (``Hello.follow``).
+        self._followers: dict[str, set[bytes]] = {}
+        #: Per follower connection: the names it follows.
+        self._following: dict[bytes, list[str]] = {}
+        self.followed = 0
         #: Per client connection: the full ids of its requests in flight (aborted if it goes).
         self._open: dict[bytes, set[str]] = {}
         #: Per client connection: its GPU tuples mapped to the agent's (bounded).
@@ -149,6 +167,7 @@ class NodeRequests:
     def _edges(self, client: _ClientLike, msg: RequestEdges) -> None:
         meter = self._ensure()
         ident, prefix = client.ident, f"{client.name}/"
+        asked = _asked(client.name)
         owner = self._owner
         open_ = self._open.setdefault(ident, set())
         cap = self.cfg.requests_max_open
@@ -171,7 +190,7 @@ class NodeRequests:
             full = prefix + rid
             if kind == _BEGIN:
                 meter.begin(full, self._gpus(client, msg.gpus[i]), at_ns=t)
-                owner[full] = (ident, rid)
+                owner[full] = (ident, rid, asked)
                 owner.move_to_end(full)
                 if len(owner) > 2 * cap:
                     owner.popitem(last=False)
@@ -236,8 +255,39 @@ class NodeRequests:
             known[key] = mapped
         return mapped
 
+    def follow(self, client: _ClientLike, names: list[str]) -> None:
+        """``client`` receives the results of the clients named ``names`` too (see the
+        module docstring; names beyond the bounds are ignored, with a warning)."""
+        wanted = list(dict.fromkeys(n for n in names if isinstance(n, str) and n))
+        kept = [n for n in wanted if len(n) <= _MAX_NAME][:_MAX_FOLLOW]
+        taken: list[str] = []
+        for name in kept:
+            followers = self._followers.setdefault(name, set())
+            if len(followers) < _MAX_FOLLOWERS:
+                followers.add(client.ident)
+                taken.append(name)
+        if len(taken) < len(wanted):
+            logger.warning(
+                "client %s follows %d name(s) of the %d it asked (at most %d, %d followers "
+                "each, names of %d characters)",
+                client.name,
+                len(taken),
+                len(wanted),
+                _MAX_FOLLOW,
+                _MAX_FOLLOWERS,
+                _MAX_NAME,
+            )
+        if taken:
+            self._following[client.ident] = taken
+
     def left(self, client: _ClientLike) -> None:
         """A client left or died: its requests in flight are aborted as ``cancelled`` now."""
+        for name in self._following.pop(client.ident, ()):
+            followers = self._followers.get(name)
+            if followers is not None:
+                followers.discard(client.ident)
+                if not followers:
+                    del self._followers[name]
         open_ = self._open.pop(client.ident, set())
         self._gpu_maps.pop(client.ident, None)
         meter = self.meter
@@ -274,6 +324,7 @@ class NodeRequests:
             settled_ns=state.settled_ns,
             orphaned=self.orphaned,
             returned=self.returned,
+            followed=self.followed,
             unpublished=self.unpublished,
         )
 
@@ -282,29 +333,48 @@ class NodeRequests:
     def _route(self, out: Attribution) -> None:
         """Send each settled request back to its client (on the agent's event loop)."""
         by_client: dict[bytes, list[RequestResult]] = {}
+        #: (follower, name followed) -> the results it gets.
+        by_follower: dict[tuple[bytes, str], list[RequestResult]] = {}
         owner = self._owner
         clients = self.clients
+        followers = self._followers
         for full, r in out.requests.items():
             entry = owner.pop(full, None)
             if entry is None:
                 continue
-            ident, rid = entry
+            ident, rid, asked = entry
             client = clients.get(ident)
-            if client is None:
-                continue
-            by_client.setdefault(ident, []).append(_result(r, rid, client.visible))
+            if client is not None:
+                by_client.setdefault(ident, []).append(_result(r, rid, client.visible))
+            for follower in followers.get(asked, ()):
+                who = clients.get(follower)
+                if who is not None and follower != ident:
+                    by_follower.setdefault((follower, asked), []).append(
+                        _result(r, rid, who.visible)
+                    )
         for ident, results in by_client.items():
-            self.send(
-                ident,
-                Reply(
-                    kind="requests",
-                    requests=results,
-                    start_ns=out.start_ns,
-                    end_ns=out.end_ns,
-                    policy=out.policy,
-                ),
-            )
+            self.send(ident, self._reply(out, results))
             self.returned += len(results)
+        for (ident, asked), results in by_follower.items():
+            self.send(ident, self._reply(out, results, asked))
+            self.followed += len(results)
+
+    @staticmethod
+    def _reply(out: Attribution, results: list[RequestResult], sender: str = "") -> Reply:
+        return Reply(
+            kind="requests",
+            requests=results,
+            start_ns=out.start_ns,
+            end_ns=out.end_ns,
+            policy=out.policy,
+            sender=sender,
+        )
+
+
+def _asked(name: str) -> str:
+    """A client's name as it asked for it: the agent's ``#n`` (``name#2``) taken off."""
+    base, sep, n = name.rpartition("#")
+    return base if sep and base and n.isdigit() else name
 
 
 def _result(r: RequestEnergy, rid: str, visible: list[int] | None) -> RequestResult:

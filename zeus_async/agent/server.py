@@ -348,6 +348,7 @@ class Agent:
             devices = [d for d in devices if int(d.key[4:]) in gpus]
             client.measured = frozenset(client.to_agent(gpus) or [])
         self.clients[ident] = client
+        self.requests.follow(client, hello.follow)
         endpoint = self.rt.publisher.endpoint if self.rt.publisher is not None else None
         self.send(
             ident,

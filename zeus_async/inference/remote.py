@@ -21,6 +21,13 @@ takes the agent's results back: each settled request of this process, with this 
 request id and GPU indices (``CUDA_VISIBLE_DEVICES`` applies, as for windows). The agent
 names the requests ``<client name>/<id>``, so processes never collide.
 
+Results of another process: ``RemoteMeter(follow=("vllm-core0",))`` also receives the
+results of the clients named ``vllm-core0`` (an engine core whose front end answers the
+HTTP request). They are kept apart from this process's own, under the sender's ids as it
+gave them (never mixed with this process's ids): :meth:`RemoteMeter.settled_from`,
+:meth:`RemoteMeter.results_from`, :meth:`RemoteMeter.subscribe_followed`. A name nobody
+uses yields nothing; a sender that starts later is followed from then on.
+
 What cannot be sent is dropped and counted (:attr:`RemoteMeter.totals`), never raised: edges
 past the queue bound (``queue_full``), edges made while no agent answers (``no_agent``: the
 meter reconnects every ``reconnect_s``, to a restarted agent too), batches the agent does not
@@ -81,6 +88,8 @@ class RemoteTotals:
     dropped: dict[str, int] = field(default_factory=dict)
     #: Settled requests the agent sent back.
     results: int = 0
+    #: Settled requests of the clients followed (``follow``) the agent sent.
+    followed_results: int = 0
     #: Connections made to an agent (more than one: it restarted, or was absent a while).
     connects: int = 0
 
@@ -101,7 +110,10 @@ class RemoteMeter:
         batch_s: Longest an edge waits before it is sent.
         batch_edges: Edges per message at most (a batch goes as soon as that many wait).
         max_queue: Edges waiting at most; beyond, they are dropped (``queue_full``).
-        keep: Settled results kept for :meth:`results` (oldest dropped).
+        keep: Settled results kept for :meth:`results` (oldest dropped), and as many of
+            the clients followed for :meth:`results_from`.
+        follow: Names of other clients (as they named themselves: ``name``) whose results
+            this meter receives too (:meth:`settled_from`; at most 16 names).
         reconnect_s: How often an absent agent is looked for again.
         connect_timeout_s: Longest a connection waits for the agent's answer.
         clock: Wall-clock ns for the edges (the agent's readings are stamped with it).
@@ -120,8 +132,10 @@ class RemoteMeter:
         reconnect_s: float = 1.0,
         connect_timeout_s: float = 2.0,
         clock: Callable[[], int] = time.time_ns,
+        follow: Sequence[str] = (),
     ) -> None:
         self._endpoint = endpoint
+        self.follow = tuple(dict.fromkeys(str(n) for n in follow if n))
         self.name = name or f"pid{os.getpid()}"
         self._start_agent = start_agent
         self._batch_s = batch_s
@@ -138,6 +152,11 @@ class RemoteMeter:
         self._results: collections.OrderedDict[str, RequestEnergy] = collections.OrderedDict()
         self._results_lock = threading.Lock()
         self._subscribers: list[Callable[[Attribution], None]] = []
+        #: (sender's name as followed, its request id) -> its result.
+        self._followed: collections.OrderedDict[tuple[str, str], RequestEnergy] = (
+            collections.OrderedDict()
+        )
+        self._followed_subscribers: list[Callable[[str, Attribution], None]] = []
         self._now = threading.Event()  # flush at once (settle_soon, close)
         self._stop = threading.Event()
         self._ctx = zmq.Context()
@@ -252,6 +271,23 @@ class RemoteMeter:
         :class:`Attribution` with ``requests`` only: the GPUs' figures are the node's, see
         the agent's ``request_idle`` events), in the meter's background thread."""
         self._subscribers.append(callback)
+
+    def settled_from(self, name: str, request_id: str) -> RequestEnergy | None:
+        """A kept request of the client ``name`` followed (``follow``), by its id as that
+        client gave it."""
+        return self._followed.get((name, request_id))
+
+    def results_from(self, name: str | None = None) -> list[RequestEnergy]:
+        """The kept requests of the client ``name`` followed (``None``: of every one),
+        oldest first."""
+        with self._results_lock:
+            return [r for (n, _), r in self._followed.items() if name is None or n == name]
+
+    def subscribe_followed(self, callback: Callable[[str, Attribution], None]) -> None:
+        """Call ``callback(name, attribution)`` with each batch of settled requests of a
+        client followed (its name as followed; the requests keyed by that client's ids), in
+        the meter's background thread."""
+        self._followed_subscribers.append(callback)
 
     def settle_soon(self) -> None:
         """Send the edges waiting now, without waiting for the batch period; results come
@@ -377,7 +413,13 @@ class RemoteMeter:
         sock.sndhwm = 100  # batches: an agent not reading makes sends fail, counted
         try:
             sock.connect(endpoint)
-            hello = Hello(os.getpid(), self.name, os.environ.get("CUDA_VISIBLE_DEVICES"), gpus=[])
+            hello = Hello(
+                os.getpid(),
+                self.name,
+                os.environ.get("CUDA_VISIBLE_DEVICES"),
+                gpus=[],
+                follow=list(self.follow),
+            )
             sock.send(self._enc.encode(hello))
             deadline = time.monotonic() + self._connect_timeout_s
             while True:
@@ -482,6 +524,9 @@ class RemoteMeter:
     def _take(self, reply: Reply) -> None:
         out = Attribution(reply.start_ns, reply.end_ns, reply.policy)
         got = [_energy(r) for r in reply.requests]
+        if reply.sender:
+            self._take_followed(reply.sender, out, got)
+            return
         with self._results_lock:
             results = self._results
             for r in got:
@@ -496,6 +541,23 @@ class RemoteMeter:
                 callback(out)
             except Exception:
                 logger.exception("a remote request-meter subscriber failed")
+
+    def _take_followed(self, name: str, out: Attribution, got: list[RequestEnergy]) -> None:
+        with self._results_lock:
+            kept = self._followed
+            for r in got:
+                key = (name, r.request_id)
+                kept[key] = r
+                kept.move_to_end(key)
+            while len(kept) > self._keep:
+                kept.popitem(last=False)
+        self.totals.followed_results += len(got)
+        out.requests = {r.request_id: r for r in got}
+        for callback in self._followed_subscribers:
+            try:
+                callback(name, out)
+            except Exception:
+                logger.exception("a remote request-meter subscriber (followed) failed")
 
 
 def _energy(r: RequestResult) -> RequestEnergy:

@@ -41,7 +41,12 @@ taking the ``k``-th slice), else ``0 .. world_size-1`` shifted the same way.
 
 The engine-core hook :mod:`zeus_async.integrations.vllm_scheduler` (``--scheduler-cls``)
 measures what follows from inside vLLM's scheduler, per step and as it happens; for an engine
-that runs it, this stat logger steps aside (:func:`scheduler_hook_enabled`).
+that runs it, this stat logger steps aside (:func:`scheduler_hook_enabled`). With
+``ZEUS_ASYNC_VLLM_METER=remote`` it then *follows* the engine cores instead: a
+``RemoteMeter(follow=...)`` of the front end receives the results the cores' meters
+(:func:`core_meter_name`) sent to the node agent, and :func:`request_energy` gives them in
+this process by the client's request id (vLLM's internal ``<id>-<8 characters>`` mapped back,
+:func:`external_id`), e.g. for a log line or a span once the request settled.
 
 Not exposed by vLLM 0.33 to stat loggers (see ``docs/vllm.md``): requests aborted by the
 client (``AsyncLLM.abort``, a client hanging up) never reach them, so their energy goes to
@@ -63,6 +68,7 @@ import importlib
 import logging
 import math
 import os
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, Protocol
@@ -77,7 +83,11 @@ __all__ = [
     "SCHEDULER_CLS",
     "StatsFeed",
     "configure",
+    "core_meter_name",
     "engine_gpus",
+    "external_id",
+    "follow_engine_cores",
+    "request_energy",
     "reset",
     "scheduler_hook_enabled",
 ]
@@ -183,6 +193,100 @@ def scheduler_hook_enabled(vllm_config: Any) -> bool:
     if isinstance(cls, str):
         return cls == SCHEDULER_CLS
     return cls is not None and getattr(cls, "_zeus_hook", False) is True
+
+
+def core_meter_name(engine_index: int) -> str:
+    """The name of an engine core's ``RemoteMeter`` at the node agent (the scheduler hook's):
+    what the front end follows."""
+    return f"vllm-core{engine_index}"
+
+
+#: vLLM's internal request id: the client's, ``-`` and 8 random characters (a uuid4's hex).
+_INTERNAL_ID = re.compile(r"^(.+)-[0-9a-zA-Z]{8}$")
+
+
+def external_id(internal_id: str, *, randomized: bool | None = None) -> str:
+    """The client's request id of vLLM's internal one (``<id>-<8 characters>``: the suffix
+    taken off). ``randomized``: whether vLLM adds the suffix (default: unless
+    ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` is set); when not, the id is the client's."""
+    if randomized is None:
+        randomized = os.environ.get("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "0").strip() in (
+            "",
+            "0",
+        )
+    if not randomized:
+        return internal_id
+    m = _INTERNAL_ID.match(internal_id)
+    return m.group(1) if m else internal_id
+
+
+#: Results kept for :func:`request_energy` at most (oldest dropped).
+_KEEP_RESULTS = 100_000
+
+
+class _Followed:
+    """The engine cores' results in the front end, by the client's request id."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.meter: Any = None  # the RemoteMeter following the cores
+        self.by_id: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self.randomized: bool | None = None
+
+    def take(self, name: str, out: Any) -> None:
+        """A batch of a core's results (``RemoteMeter.subscribe_followed``)."""
+        with self.lock:
+            by_id = self.by_id
+            for rid, r in out.requests.items():
+                key = external_id(rid, randomized=self.randomized)
+                by_id[key] = r
+                by_id.move_to_end(key)
+            while len(by_id) > _KEEP_RESULTS:
+                by_id.popitem(last=False)
+
+
+_followed = _Followed()
+
+
+def follow_engine_cores(engines: int, *, endpoint: str | None = None) -> Any:
+    """In the front end: receive the results of the engine cores ``0 .. engines-1`` (their
+    scheduler hooks' ``RemoteMeter``, :func:`core_meter_name`) from the node agent, for
+    :func:`request_energy`. Once per process (a second call returns the same meter); the
+    ``RemoteMeter`` that follows, or None when none can be made."""
+    with _followed.lock:
+        if _followed.meter is not None:
+            return _followed.meter
+        try:
+            remote = importlib.import_module("zeus_async.inference.remote")
+            names = tuple(core_meter_name(i) for i in range(max(1, int(engines))))
+            meter = remote.RemoteMeter(endpoint, name="vllm", follow=names)
+        except Exception:
+            logger.exception("zeus_async vLLM plugin: cannot follow the engine cores")
+            return None
+        meter.subscribe_followed(_followed.take)
+        _followed.meter = meter
+    logger.info("zeus_async vLLM plugin: following the engine cores %s", ", ".join(names))
+    return meter
+
+
+def _unfollow() -> None:
+    """Stop following the engine cores and forget their results (tests)."""
+    with _followed.lock:
+        meter, _followed.meter = _followed.meter, None
+        _followed.by_id.clear()
+    if meter is not None:
+        meter.close()
+
+
+def request_energy(request_id: str) -> Any:
+    """The energy of a request of this front end, by the id its client gave (vLLM's
+    ``request_id``, e.g. ``chatcmpl-...``): a :class:`~zeus_async.inference.RequestEnergy`
+    once the node agent settled it (its ``requests_settle_s`` and edge delay after the
+    request ended), else None. Fed by :func:`follow_engine_cores` (the stat logger calls it
+    for engines that run the scheduler hook, with ``ZEUS_ASYNC_VLLM_METER=remote``). Its
+    ``request_id`` is vLLM's internal one."""
+    with _followed.lock:
+        return _followed.by_id.get(request_id)
 
 
 def _meter_from_env() -> MeterLike | None:
@@ -450,6 +554,9 @@ def _make_stat_logger() -> type:
                     "steps aside",
                     engine_index,
                 )
+                if os.environ.get(ENV_METER, "").strip().lower() == "remote":
+                    pc = getattr(vllm_config, "parallel_config", None)
+                    follow_engine_cores(int(getattr(pc, "data_parallel_size", 1) or 1))
             else:
                 self.feed = feed_for(vllm_config, engine_index)
             self._failed = False

@@ -280,7 +280,7 @@ def _core_meter(engine_index: int) -> StepMeter | None:
     try:
         from zeus_async.inference.remote import RemoteMeter
 
-        remote = cast(StepMeter, RemoteMeter(name=f"vllm-core{engine_index}"))
+        remote = cast(StepMeter, RemoteMeter(name=_plugin.core_meter_name(engine_index)))
     except Exception:
         logger.exception("%s=remote: no RemoteMeter; the scheduler hook is off", _plugin.ENV_METER)
         return None
