@@ -125,8 +125,8 @@ def test_a_follower_that_never_reads_holds_nothing_up(private_dir: Path) -> None
 
 
 class _Who:
-    def __init__(self, ident: bytes, name: str) -> None:
-        self.ident, self.name = ident, name
+    def __init__(self, ident: bytes, name: str, uid: int | None = 1000) -> None:
+        self.ident, self.name, self.uid = ident, name, uid
         self.visible: list[int] | None = None
 
     def to_agent(self, gpus: list[int] | None) -> list[int] | None:
@@ -151,6 +151,30 @@ def test_follow_tables_are_bounded_and_forgotten() -> None:
         nr.left(who)
     assert nr._followers == {} and nr._following == {}
     assert sent == []
+
+
+def test_only_the_senders_user_or_root_follows_its_results() -> None:
+    # A system agent serves several users: following a name gets another user's results
+    # only for root.
+    from zeus_async.inference.attribution import RequestEnergy
+
+    sent: list[tuple[bytes, Reply]] = []
+    sender = _Who(b"s", "core", uid=1000)
+    same, other, root = _Who(b"a", "a", 1000), _Who(b"b", "b", 2000), _Who(b"r", "r", 0)
+    clients: dict[bytes, Any] = {c.ident: c for c in (sender, same, other, root)}
+    no_runtime: Any = None
+    nr = NodeRequests(
+        AgentConfig(endpoint="ipc://x"), no_runtime, lambda i, r: sent.append((i, r)), clients
+    )
+    for who in (same, other, root):
+        nr.follow(who, ["core"])
+    nr._owner["core/r1"] = (b"s", "r1", "core", 1000)
+    out = Attribution(0, 10, "equal")
+    out.requests["core/r1"] = RequestEnergy("core/r1", 1.0, {0: 1.0}, None, None, 0, 0, 0.0, "")
+    nr._route(out)
+    got = {ident: [r.request_id for r in reply.requests] for ident, reply in sent}
+    assert got == {b"s": ["r1"], b"a": ["r1"], b"r": ["r1"]}  # not b"b"
+    assert nr.followed == 2
 
 
 def test_the_name_asked_drops_the_agents_uniqueness_suffix() -> None:

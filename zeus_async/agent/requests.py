@@ -20,7 +20,8 @@ it, whichever process served them: per GPU, requests plus idle equal the measure
 * A client may *follow* others by name (``Hello.follow``: a vLLM front end follows its engine
   core, ``vllm-core0``): each result of a client of that name (``name`` or the agent's
   ``name#n``) goes to its followers too, with the sender's id, the name followed as
-  ``sender`` and the follower's GPU indices. Bounded: :data:`_MAX_FOLLOW` names per
+  ``sender`` and the follower's GPU indices, if the follower is the sender's user (or
+  root: a system agent serves several users). Bounded: :data:`_MAX_FOLLOW` names per
   follower, :data:`_MAX_FOLLOWERS` followers per name; a follower that does not read is
   bounded by the socket's high-water mark (ZeroMQ drops what is beyond, never queues more).
 * A client that leaves or dies with requests in flight: those are aborted as ``cancelled``
@@ -63,6 +64,8 @@ class _ClientLike(Protocol):
     ident: bytes
     name: str
     visible: list[int] | None
+    #: The client's user (``None``: a transport without credentials).
+    uid: int | None
 
     def to_agent(self, gpus: list[int] | None) -> list[int] | None: ...
 
@@ -86,9 +89,9 @@ class NodeRequests:
         self.rt = rt
         self.send = send
         self.meter: RequestMeter | None = None
-        #: Full id -> (client connection, client's id, client's name as it asked), until its
-        #: result is sent back.
-        self._owner: collections.OrderedDict[str, tuple[bytes, str, str]] = (
+        #: Full id -> (client connection, client's id, client's name as it asked, its user),
+        #: until its result is sent back.
+        self._owner: collections.OrderedDict[str, tuple[bytes, str, str, int | None]] = (
             collections.OrderedDict()
         )
         #: Per name followed: the connections of its followers (``Hello.follow``).
@@ -190,7 +193,7 @@ class NodeRequests:
             full = prefix + rid
             if kind == _BEGIN:
                 meter.begin(full, self._gpus(client, msg.gpus[i]), at_ns=t)
-                owner[full] = (ident, rid, asked)
+                owner[full] = (ident, rid, asked, client.uid)
                 owner.move_to_end(full)
                 if len(owner) > 2 * cap:
                     owner.popitem(last=False)
@@ -342,13 +345,14 @@ class NodeRequests:
             entry = owner.pop(full, None)
             if entry is None:
                 continue
-            ident, rid, asked = entry
+            ident, rid, asked, uid = entry
             client = clients.get(ident)
             if client is not None:
                 by_client.setdefault(ident, []).append(_result(r, rid, client.visible))
             for follower in followers.get(asked, ()):
                 who = clients.get(follower)
-                if who is not None and follower != ident:
+                # Another user's requests only to root (a system agent serves many users).
+                if who is not None and follower != ident and who.uid in (uid, 0):
                     by_follower.setdefault((follower, asked), []).append(
                         _result(r, rid, who.visible)
                     )
