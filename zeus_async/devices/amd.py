@@ -133,7 +133,10 @@ def _import_amdsmi() -> ModuleType:
         with contextlib.redirect_stdout(io.StringIO()):  # it prints when libamd_smi is missing
             return importlib.import_module("amdsmi")
     except Exception as exc:  # ImportError, OSError (no library), AttributeError, KeyError
-        raise DriverNotLoadedError(f"amdsmi is not importable: {exc}") from None
+        raise DriverNotLoadedError(
+            f"amdsmi is not importable: {exc} (it comes with ROCm, in /opt/rocm/share/amd_smi; "
+            "without an AMD GPU, --backend sim-amd simulates one)"
+        ) from None
 
 
 def _thread_safe(smi: ModuleType) -> bool:
