@@ -32,37 +32,52 @@ CONFIG = SimConfig(num_gpus=2, seed=5)
 
 
 def _start_agent(
-    private_dir: Path, record: str | None = None, policy: str = "equal"
+    private_dir: Path,
+    record: str | None = None,
+    policy: str = "equal",
+    *,
+    config: SimConfig = CONFIG,
+    **settings: Any,
 ) -> subprocess.Popen[bytes]:
-    """A node agent on the simulated node, settling requests often (quick tests)."""
+    """A node agent on the simulated node, settling requests often (quick tests); ``settings``
+    override the agent's configuration (``requests_max_age_s=...``)."""
+    options: dict[str, Any] = {"requests_settle_s": 0.1, "requests_edge_delay_s": 0.3}
     cfg = node_agent_config(
         backend="sim",
-        requests_settle_s=0.1,
-        requests_edge_delay_s=0.3,
         workloads=False,
         record=record,
         requests_policy=policy,
+        **{**options, **settings},
     )
     proc = subprocess.Popen(
         [sys.executable, "-m", "zeus_async.agent.server", msgspec.json.encode(cfg)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        env=sim_env(CONFIG),
+        env=sim_env(config),
     )
-    deadline = time.monotonic() + 30
-    while not (node_agent_running() and (private_dir / NODE_SOCKET).exists()):
-        if proc.poll() is not None:
-            raise RuntimeError(f"agent exited: {proc.stderr.read() if proc.stderr else ''!r}")
-        assert time.monotonic() < deadline, "the node agent did not start"
-        time.sleep(0.05)
+    _wait(
+        lambda: _alive(proc) and node_agent_running() and (private_dir / NODE_SOCKET).exists(),
+        60,
+        "the node agent started",
+    )
     return proc
 
 
-def _stop(proc: subprocess.Popen[Any]) -> None:
+def _alive(proc: subprocess.Popen[Any]) -> bool:
+    if proc.poll() is not None:
+        raise RuntimeError(f"exited: {proc.stderr.read() if proc.stderr else ''!r}")
+    return True
+
+
+def _stop(proc: subprocess.Popen[Any], timeout_s: float = 30) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=20)
+    try:
+        proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate(timeout=10)
 
 
 @pytest.fixture

@@ -21,23 +21,19 @@ import asyncio
 import json
 import math
 import re
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
+from test_remote import _alive, _stop, _totals, _wait
+from test_remote import _start_agent as start_agent
 
-from zeus_async.agent.client import agent_request, node_agent_config
-from zeus_async.agent.protocol import Control, RequestTotals
-from zeus_async.agent.server import NODE_SOCKET, node_agent_running
 from zeus_async.devices.sim_config import SimConfig
 from zeus_async.events import RequestMeasurement
 from zeus_async.store.reader import RecordingReader
@@ -249,47 +245,15 @@ async def _open_hanging(port: int) -> tuple[asyncio.StreamWriter, str, float]:
 
 
 def _start_agent(private_dir: Path, record: str) -> subprocess.Popen[bytes]:
-    cfg = node_agent_config(
-        backend="sim",
-        requests_policy="steps",
+    return start_agent(
+        private_dir,
+        record,
+        "steps",
+        config=CONFIG,
         requests_max_age_s=MAX_AGE_S,
         requests_settle_s=SETTLE_S,
         requests_edge_delay_s=EDGE_DELAY_S,
-        workloads=False,
-        record=record,
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "zeus_async.agent.server", msgspec.json.encode(cfg)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env=sim_env(CONFIG),
-    )
-    _wait(
-        lambda: _alive(proc) and node_agent_running() and (private_dir / NODE_SOCKET).exists(),
-        60,
-        "the node agent started",
-    )
-    return proc
-
-
-def _alive(proc: subprocess.Popen[Any]) -> bool:
-    if proc.poll() is not None:
-        raise RuntimeError(f"exited: {proc.stderr.read() if proc.stderr else ''!r}")
-    return True
-
-
-def _totals(private_dir: Path) -> RequestTotals:
-    reply = agent_request(f"ipc://{private_dir / NODE_SOCKET}", Control(seq=1, op="requests"))
-    assert reply.requests_totals is not None
-    return reply.requests_totals
-
-
-def _wait(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def _up(port: int) -> bool:
@@ -313,16 +277,6 @@ def _get(port: int, path: str) -> bytes:
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
-
-
-def _stop(proc: subprocess.Popen[Any], timeout_s: float = 30) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate(timeout=10)
 
 
 @pytest.mark.slow
