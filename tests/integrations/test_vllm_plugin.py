@@ -41,10 +41,9 @@ from vllm.v1.metrics.stats import (  # noqa: E402
     SchedulerStats,
 )
 
-from zeus_async.aggregate.history import DeviceHistory  # noqa: E402
-from zeus_async.events import GpuSample  # noqa: E402
 from zeus_async.inference import RequestMeter, RequestSpan, attribute  # noqa: E402
 from zeus_async.integrations import vllm as plugin  # noqa: E402
+from zeus_async.testing.fakes import SquareWaveFeed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MS = 1_000_000
@@ -337,24 +336,10 @@ def test_the_environment_selects_a_remote_meter_for_the_node_agent(
         feed.meter.close()  # type: ignore[attr-defined]
 
 
-class Feed:
+def Feed(meter: RequestMeter) -> SquareWaveFeed:
     """Readings every 10 ms (power steps between 100 and 600 W every 100 ms) into the meter
     and a reference history."""
-
-    def __init__(self, meter: RequestMeter) -> None:
-        self.meter = meter
-        self.reference = DeviceHistory("gpu:0")
-        self.next = T0
-        self.joules = 0.0
-
-    def to(self, t: int) -> None:
-        while self.next <= t:
-            p = 100.0 + 500.0 * (((self.next - T0) // (100 * MS)) % 2)
-            s = GpuSample("h", self.next, 0, power_w=p, energy_j=self.joules)
-            self.joules += p * 0.01
-            self.meter.add(s)
-            self.reference.add(s.t_ns, s.power_w, s.energy_j)
-            self.next += 10 * MS
+    return SquareWaveFeed(meter.add, gpu=0, t0_ns=T0, half_period_ns=100 * MS, every_ns=10 * MS)
 
 
 @pytest.mark.parametrize("policy", ["equal", "tokens"])

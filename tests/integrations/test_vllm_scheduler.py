@@ -38,12 +38,11 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from zeus_async.aggregate.history import DeviceHistory
-from zeus_async.events import GpuSample
 from zeus_async.inference import RequestMeter, RequestSpan, StepEntry, attribute
 from zeus_async.inference.attribution import StepSpan, default_step_weight
 from zeus_async.integrations import vllm as plugin
 from zeus_async.integrations import vllm_scheduler as hook
+from zeus_async.testing.fakes import SquareWaveFeed
 
 MS = 1_000_000
 T0 = 1_700_000_000_000_000_000
@@ -337,23 +336,9 @@ def test_importing_zeus_async_does_not_import_vllm() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-class Feed:
+def Feed(meter: RequestMeter) -> SquareWaveFeed:
     """Readings every 5 ms (power 100 W, 600 W alternating every 50 ms)."""
-
-    def __init__(self, meter: RequestMeter) -> None:
-        self.meter = meter
-        self.reference = DeviceHistory("gpu:3")
-        self.next = T0
-        self.joules = 0.0
-
-    def to(self, t: int) -> None:
-        while self.next <= t:
-            p = 100.0 + 500.0 * (((self.next - T0) // (50 * MS)) % 2)
-            s = GpuSample("h", self.next, 3, power_w=p, energy_j=self.joules)
-            self.joules += p * 0.005
-            self.meter.add(s)
-            self.reference.add(s.t_ns, s.power_w, s.energy_j)
-            self.next += 5 * MS
+    return SquareWaveFeed(meter.add, gpu=3, t0_ns=T0, half_period_ns=50 * MS, every_ns=5 * MS)
 
 
 def test_steps_policy_follows_the_schedulers_batches_and_conserves_energy() -> None:

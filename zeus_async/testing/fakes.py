@@ -10,12 +10,13 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 
+from ..aggregate.history import DeviceHistory
 from ..clock import Clock, FakeClock
 from ..devices.processes import HostStat, ProcessStat
 from ..errors import DeviceError
 from ..events import DeviceInfo, Event, GpuSample
 
-__all__ = ["FakeProcessSource", "ScriptedGpu", "realistic_gpu_samples"]
+__all__ = ["FakeProcessSource", "ScriptedGpu", "SquareWaveFeed", "realistic_gpu_samples"]
 
 logger = logging.getLogger(__name__)
 
@@ -154,3 +155,39 @@ class FakeProcessSource:
 
     def forget(self, pids: Iterable[int]) -> None:
         self.forgotten.extend(pids)
+
+
+class SquareWaveFeed:
+    """Readings of one GPU whose power alternates between ``low_w`` and ``high_w`` every
+    ``half_period_ns`` from ``t0_ns``, one every ``every_ns``, with an exact energy counter,
+    into a consumer (``add``: a request meter) and into :attr:`reference`, a history of the
+    same readings to check the consumer's figures against. :meth:`to` feeds up to a time."""
+
+    def __init__(
+        self,
+        add: Callable[[GpuSample], object],
+        *,
+        gpu: int = 0,
+        t0_ns: int,
+        half_period_ns: int,
+        every_ns: int,
+        low_w: float = 100.0,
+        high_w: float = 600.0,
+    ) -> None:
+        self._add = add
+        self.gpu = gpu
+        self.reference = DeviceHistory(f"gpu:{gpu}")
+        self._t0, self._half, self._every = t0_ns, half_period_ns, every_ns
+        self._low, self._high = low_w, high_w
+        self.next = t0_ns
+        self.joules = 0.0
+
+    def to(self, t_ns: int) -> None:
+        while self.next <= t_ns:
+            high = ((self.next - self._t0) // self._half) % 2
+            p = self._high if high else self._low
+            s = GpuSample("h", self.next, self.gpu, power_w=p, energy_j=self.joules)
+            self.joules += p * self._every / 1e9
+            self._add(s)
+            self.reference.add(s.t_ns, s.power_w, s.energy_j)
+            self.next += self._every
